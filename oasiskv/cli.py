@@ -1,0 +1,127 @@
+"""`oasiskv generate | bench decode`: the command line over the same config as `LLM(...)`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+
+from oasiskv.config import EngineConfig
+
+
+def _flag_type(annotation: str | type) -> type:
+    # Fields are annotated like "int | None" (postponed annotations): take the first type.
+    name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    name = name.split("|")[0].strip()
+    return {"int": int, "float": float, "bool": _bool, "str": str}.get(name, str)
+
+
+def _bool(text: str) -> bool:
+    if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+        raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+    return text.lower() in ("1", "true", "yes", "on")
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field (`--max-num-seqs` for `max_num_seqs`), defaults from the
+    dataclasses, so the CLI and `LLM(**kwargs)` never drift apart."""
+    group = parser.add_argument_group("engine")
+    for _, f in EngineConfig.flat_fields():
+        default = None if f.default is dataclasses.MISSING else f.default
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
+                           type=_flag_type(f.type), default=argparse.SUPPRESS,
+                           help=f"{f.metadata.get('help', '')} (default: {default})")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    names = {f.name for _, f in EngineConfig.flat_fields()}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from oasiskv import LLM, SamplingParams
+
+    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    if prompt is None:
+        raise ValueError("give --prompt TEXT or --prompt-file FILE")
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+                            stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": prompt}], params)[0]
+    else:
+        out = llm.generate(prompt, params)[0]
+    stats = llm.stats()
+    m = out.metrics
+    print(out.text)
+    tpot = f"{m.tpot * 1e3:.1f} ms" if m.tpot is not None else "n/a"
+    summary = (f"[oasiskv] prompt {m.num_prompt_tokens} tok | generated {m.num_generated_tokens} "
+               f"tok ({out.finish_reason}) | TTFT {m.ttft:.2f} s | TPOT {tpot} | KV held "
+               f"{stats['kv_peak_bytes'] / 2**20:.1f} MiB peak in {stats['kv_peak_blocks']} "
+               f"blocks of {llm.engine.pool.block_size} tokens")
+    print(summary, file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"text": out.text, "token_ids": out.token_ids,
+                                               "finish_reason": out.finish_reason,
+                                               "metrics": m.as_dict(), "stats": stats}, indent=2))
+    return 0 if out.finish_reason != "error" else 1
+
+
+def _cmd_bench_decode(args: argparse.Namespace) -> int:
+    from oasiskv.bench.decode import run_decode_bench
+
+    run_decode_bench(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="oasiskv", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    gen.add_argument("--prompt", help="prompt text")
+    gen.add_argument("--prompt-file", help="file whose contents are the prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", help="write the output and figures to this file")
+    add_engine_flags(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
+                                                                      required=True)
+    dec = bench.add_parser("decode", help="our dense decode vs HF transformers generate")
+    dec.add_argument("--context", default="4096", help="prompt lengths, comma-separated")
+    dec.add_argument("--batch", default="1,8", help="batch sizes, comma-separated")
+    dec.add_argument("--output-len", type=int, default=32)
+    dec.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    dec.add_argument("--json", help="write the figures to this file")
+    add_engine_flags(dec)
+    dec.set_defaults(func=_cmd_bench_decode)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"oasiskv: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

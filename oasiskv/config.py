@@ -1,0 +1,186 @@
+"""Configuration: one dataclass per concern, validated once, at construction.
+
+`EngineConfig.from_kwargs` routes flat keywords (the `LLM(...)` call, the CLI flags) to the
+dataclass that owns each field, so every field is settable from Python and the command line
+under one name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """'2GiB' -> 2147483648; plain numbers are bytes."""
+    if isinstance(value, int | float):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError(f"cannot read {value!r} as a size in bytes (examples: 512MiB, 2GiB, 1e9)")
+    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama-family model, read from an HF config dict (or GGUF metadata)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> ModelConfig:
+        arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in cls.SUPPORTED:
+            raise ValueError(f"architecture {arch} is not supported; supported: {cls.SUPPORTED}")
+        heads = hf["num_attention_heads"]
+        # transformers >= 5 nests rope settings in `rope_parameters`; older configs use
+        # rope_theta + rope_scaling.
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        eos = hf.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        qwen2 = arch == "Qwen2ForCausalLM"
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", not qwen2) else None
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else rope,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qwen2 or bool(hf.get("attention_bias", False)),
+            o_bias=not qwen2 and bool(hf.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=window,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V that one token position occupies across all layers."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+def _field(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = _field(16, "tokens per KV block")
+    device_kv_budget: int | str = _field(
+        "4GiB", "bytes of KV cache on the device (e.g. 512MiB, 2GiB); sets the block pool size")
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        self.device_kv_budget = parse_bytes(self.device_kv_budget)
+        if self.device_kv_budget <= 0:
+            raise ValueError(f"device_kv_budget must be positive, got {self.device_kv_budget}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = _field(64, "most requests in one running batch")
+    max_num_batched_tokens: int = _field(
+        512, "most tokens one step processes; longer prompts are prefilled in chunks of this")
+    max_model_len: int | None = _field(
+        None, "longest context (prompt + output) a request may reach; default: the model's")
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    model: str = _field("smollm2-135m", "model alias, HF directory or .gguf file")
+    dtype: str = _field("float32", "weights and KV dtype: float32, bfloat16, float16")
+    device: str = _field("cpu", "torch device: cpu, cuda, cuda:1 ...")
+    num_threads: int | None = _field(None, "torch CPU threads (default: torch's choice)")
+    seed: int = _field(0, "seed for sampling when a request gives none")
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(set(_DTYPES))}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def sections(cls) -> dict[str, type]:
+        """Nested config dataclasses whose fields are flattened into keywords / flags."""
+        return {"cache": CacheConfig, "scheduler": SchedulerConfig}
+
+    @classmethod
+    def flat_fields(cls) -> list[tuple[str | None, dataclasses.Field]]:
+        """(section or None, field) for every user-settable field."""
+        out: list[tuple[str | None, dataclasses.Field]] = [
+            (None, f) for f in dataclasses.fields(cls) if f.name not in cls.sections()]
+        for section, dc in cls.sections().items():
+            out += [(section, f) for f in dataclasses.fields(dc)]
+        return out
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        owner = {f.name: section for section, f in cls.flat_fields()}
+        unknown = sorted(set(kwargs) - set(owner))
+        if unknown:
+            raise ValueError(f"unknown config option(s) {unknown}; known: {sorted(owner)}")
+        top = {k: v for k, v in kwargs.items() if owner[k] is None}
+        for section, dc in cls.sections().items():
+            top[section] = dc(**{k: v for k, v in kwargs.items() if owner[k] == section})
+        return cls(**top)

@@ -1,0 +1,241 @@
+"""The engine: admits requests, steps the scheduler and the model, finishes requests."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from oasiskv.config import EngineConfig, ModelConfig
+from oasiskv.engine.runner import ModelRunner
+from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
+from oasiskv.engine.sequence import Sequence
+from oasiskv.kv.blocks import BlockPool
+from oasiskv.layers.sampler import sample
+from oasiskv.models.llama import LlamaForCausalLM
+from oasiskv.models.loader import load_checkpoint
+from oasiskv.models.registry import resolve_model
+from oasiskv.outputs import RequestOutput
+from oasiskv.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        dtype = config.torch_dtype
+        ckpt = load_checkpoint(resolve_model(config.model), dtype=dtype)
+        self.model_config = mc = ModelConfig.from_hf(ckpt.hf_config)
+        self.tokenizer = ckpt.tokenizer
+        with torch.device("meta"):  # no time spent on random init of weights we overwrite
+            model = LlamaForCausalLM(mc)
+        model = model.to_empty(device=self.device).to(dtype)
+        model.model.rotary.build()  # its tables are computed, not loaded
+        model.load_weights(ckpt.state_dict)
+        self.model = model.eval()
+
+        self.max_model_len = config.scheduler.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context "
+                             f"{mc.max_position_embeddings}")
+        if mc.sliding_window and self.max_model_len > mc.sliding_window:
+            log.warning("model uses a %d-token sliding window; capping max_model_len to it",
+                        mc.sliding_window)
+            self.max_model_len = mc.sliding_window
+        block = config.cache.block_size
+        self.bytes_per_block = mc.kv_bytes_per_token(dtype) * block
+        num_blocks = config.cache.device_kv_budget // self.bytes_per_block
+        if num_blocks == 0:
+            raise ValueError(f"device_kv_budget {config.cache.device_kv_budget} B is smaller "
+                             f"than one KV block ({self.bytes_per_block} B)")
+        self.pool = BlockPool(num_blocks, block)
+        self.scheduler = Scheduler(config.scheduler, self.pool)
+        self.runner = ModelRunner(self.model, num_blocks, block, self.device, dtype)
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.default_generator = torch.Generator().manual_seed(config.seed)
+        self._ids = itertools.count()
+        self.requests: dict[str, Sequence] = {}
+        self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
+                         "requests_finished": 0, "requests_failed": 0, "step_failures": 0}
+        # Called with (batch) after each successful forward; tests use it to inject faults.
+        self.step_hooks: list[Callable[[ScheduledBatch], None]] = []
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
+                      request_id: str | None = None) -> Sequence:
+        """Validates a request at the boundary; nothing is queued yet."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            text, ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, {vocab})")
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, model context is "
+                             f"{self.max_model_len} (it must leave room for one output token)")
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        if self.pool.blocks_for(longest) > self.pool.num_blocks:
+            raise ValueError(f"request needs up to {longest} tokens of KV, the device KV budget "
+                             f"holds {self.pool.num_blocks * self.pool.block_size}; raise "
+                             f"device_kv_budget or lower max_tokens")
+        request_id = request_id or str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        return Sequence(request_id, ids, len(ids), params, prompt=text, generator=gen)
+
+    def add_sequence(self, seq: Sequence) -> str:
+        seq.metrics.num_prompt_tokens = seq.num_prompt_tokens
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        return self.add_sequence(self.make_sequence(prompt, params, request_id))
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.get(request_id)
+        if seq is not None and not seq.is_finished:
+            self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one batch; returns an output for every request that made progress or ended."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return self._fail_stuck()
+        now = time.perf_counter()
+        for seq, _ in batch:
+            seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
+        samplers = [(seq, row) for (seq, n), row in zip(batch, self._last_rows(batch), strict=True)
+                    if seq.num_computed_tokens + n == seq.num_tokens]
+        try:
+            logits = self.runner.run(batch, [row for _, row in samplers])
+            for hook in self.step_hooks:
+                hook(batch)
+            seqs = [seq for seq, _ in samplers]
+            tokens = sample(logits, [s.params for s in seqs],
+                            [s.generator or self.default_generator for s in seqs])
+        except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine
+            return self._on_step_failure(batch, e)
+        self.counters["steps"] += 1
+        done = time.perf_counter()
+        for seq, n in batch:
+            seq.suspect = False
+            decode = n == 1 and seq.num_output_tokens > 0 and not seq.in_prefill
+            self.counters["decode_tokens" if decode else "prefill_tokens"] += n
+            seq.num_computed_tokens += n
+        outputs = []
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.token_ids.append(token)
+            seq.metrics.num_generated_tokens = seq.num_output_tokens
+            seq.metrics.first_token_time = seq.metrics.first_token_time or done
+            self._check_stop(seq, token)
+            outputs.append(self._output(seq))
+        return outputs
+
+    @staticmethod
+    def _last_rows(batch: ScheduledBatch) -> list[int]:
+        return [end - 1 for end in itertools.accumulate(n for _, n in batch)]
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            seq.stop_reason = token
+            return self._finish(seq, "stop", drop_last=True)
+        if token in p.stop_token_ids:
+            seq.stop_reason = token
+            return self._finish(seq, "stop", drop_last=True)
+        seq.output_text = self.decode(seq)
+        for s in p.stop:
+            idx = seq.output_text.find(s)
+            if idx >= 0:
+                seq.stop_reason = s
+                seq.output_text = seq.output_text[:idx + (len(s) if p.include_stop_str_in_output
+                                                          else 0)]
+                return self._finish(seq, "stop", decode=False)
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length", decode=False)
+
+    def decode(self, seq: Sequence, drop_last: bool = False) -> str:
+        ids = seq.output_token_ids[:-1] if drop_last else seq.output_token_ids
+        return self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None,
+                drop_last: bool = False, decode: bool = True) -> None:
+        if decode:
+            seq.output_text = self.decode(seq, drop_last=drop_last)
+        seq.finish_reason, seq.error = reason, error
+        seq.metrics.finish_time = time.perf_counter()
+        self.scheduler.finish(seq)
+        self.counters["requests_failed" if reason == "error" else "requests_finished"] += 1
+
+    def _on_step_failure(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
+        """Nothing of the failed step is kept (its KV writes are redone on retry). A request
+        that fails alone is failed with the error; in a batch, each request is retried alone so
+        that only the culprit fails."""
+        self.counters["step_failures"] += 1
+        if len(batch) > 1:
+            log.warning("step failed (%s); retrying its %d requests one by one", exc, len(batch))
+            for seq, _ in batch:
+                seq.suspect = True
+            return []
+        seq = batch[0][0]
+        log.error("request %s failed: %r", seq.request_id, exc)
+        self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+        return [self._output(seq)]
+
+    def _fail_stuck(self) -> list[RequestOutput]:
+        # Unreachable when validation holds: a lone request always fits the pool.
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        seq = self.scheduler.waiting[0]
+        self._finish(seq, "error", error="request does not fit the KV pool")
+        return [self._output(seq)]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        out_ids = seq.output_token_ids
+        if seq.finish_reason == "stop" and isinstance(seq.stop_reason, int):
+            out_ids = out_ids[:-1]  # EOS / stop token is not part of the output
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt,
+            prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], text=seq.output_text,
+            token_ids=out_ids, finished=seq.is_finished, finish_reason=seq.finish_reason,
+            metrics=seq.metrics, stop_reason=seq.stop_reason, error=seq.error)
+
+    # ---- counters -------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        used = self.pool.num_used
+        return {**self.counters,
+                "preemptions": self.scheduler.num_preemptions,
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": used,
+                "kv_blocks_total": self.pool.num_blocks,
+                "kv_bytes_held": used * self.bytes_per_block,
+                "kv_peak_blocks": self.pool.peak_used,
+                "kv_peak_bytes": self.pool.peak_used * self.bytes_per_block,
+                "kv_bytes_per_block": self.bytes_per_block}
+

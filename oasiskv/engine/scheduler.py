@@ -1,0 +1,102 @@
+"""Continuous batching: which requests run this step, and how many tokens each computes.
+
+Every running request computes `num_tokens - num_computed_tokens` tokens, capped by the step's
+token budget, so decode (1 token) and chunked prefill (many) share one code path. Decodes are
+served first, then prefill chunks, then new requests while the budget, `max_num_seqs` and the
+block pool allow. A request that cannot grow preempts the most recently admitted one (its KV is
+freed and recomputed later): requests wait, they are never dropped.
+"""
+
+from collections import deque
+
+from oasiskv.config import SchedulerConfig
+from oasiskv.engine.sequence import Sequence, SequenceStatus
+from oasiskv.kv.blocks import BlockPool
+
+ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, pool: BlockPool) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        suspect = next((s for s in self.running + list(self.waiting) if s.suspect), None)
+        if suspect is not None:
+            return self._schedule_alone(suspect)
+        budget = self.cfg.max_num_batched_tokens
+        batch: ScheduledBatch = []
+        # Decodes first so a long prefill never stalls them, then running prefills.
+        for seq in sorted(self.running, key=lambda s: s.in_prefill):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted by an earlier request of this loop
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve(seq, n, batch):
+                continue
+            batch.append((seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.pool.can_allocate(self.pool.blocks_for(seq.num_computed_tokens + n)
+                                          - len(seq.block_table)):
+                break
+            self.pool.grow(seq.block_table, seq.num_computed_tokens + n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Make blocks for `n` more tokens of `seq`, preempting later-admitted requests that
+        are not in this step's batch; preempt `seq` itself when nothing else can go."""
+        need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+        scheduled = {id(s) for s, _ in batch}
+        while not self.pool.can_allocate(need):
+            victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
+            if not victims:
+                self.preempt(seq)
+                return False
+            self.preempt(victims[-1])
+        self.pool.grow(seq.block_table, seq.num_computed_tokens + n)
+        return True
+
+    def _schedule_alone(self, seq: Sequence) -> ScheduledBatch:
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        n = min(seq.num_tokens - seq.num_computed_tokens, self.cfg.max_num_batched_tokens)
+        return [(seq, n)] if self._reserve(seq, n, []) else []
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free the request's KV and put it first in line; it is recomputed from its tokens."""
+        self.running.remove(seq)
+        self.pool.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.free(seq.block_table)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,92 @@
+"""A request as the engine tracks it: tokens, KV progress, block table, timing."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from oasiskv.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first generated token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first."""
+        if self.finish_time is None or self.first_token_time is None:
+            return None
+        if self.num_generated_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.num_prompt_tokens,
+                "generated_tokens": self.num_generated_tokens,
+                "ttft_s": self.ttft, "tpot_s": self.tpot,
+                "e2e_s": None if self.finish_time is None
+                else self.finish_time - self.arrival_time,
+                "preemptions": self.num_preemptions}
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt + generated
+    num_prompt_tokens: int
+    params: SamplingParams
+    prompt: str | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    error: str | None = None
+    stop_reason: str | int | None = None
+    output_text: str = ""
+    suspect: bool = False  # a batch it was in failed; it runs alone until it succeeds
+    generator: torch.Generator | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than one token still lacks KV: the prompt, or recompute after preemption."""
+        return self.num_tokens - self.num_computed_tokens > 1

@@ -1,0 +1,61 @@
+"""Attention over the paged KV pool.
+
+Pool layout per layer: `[Hkv, num_blocks * B, d]` (token slot = block * B + offset). Keeping the
+head axis outermost means a request whose blocks are contiguous is a strided *view* of the pool,
+so decode reads its KV in place; only fragmented block tables pay for a gather.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oasiskv.context import SeqAttention, get_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = scale
+        # Bound by the runner to this layer's slice of the pool: [Hkv, slots, d] each.
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [N, H, d], k/v [N, Hkv, d] -> [N, H*d]
+        ctx = get_context()
+        self.k_cache.index_copy_(1, ctx.slot_mapping, k.transpose(0, 1))
+        self.v_cache.index_copy_(1, ctx.slot_mapping, v.transpose(0, 1))
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype,
+                          device=q.device)
+        for seq in ctx.seqs:
+            out[seq.q_start:seq.q_end] = self._attend(q[seq.q_start:seq.q_end], seq)
+        return out
+
+    def _kv(self, seq: SeqAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq.kv_start is not None:
+            end = seq.kv_start + seq.kv_len
+            return self.k_cache[:, seq.kv_start:end], self.v_cache[:, seq.kv_start:end]
+        return self.k_cache[:, seq.kv_slots], self.v_cache[:, seq.kv_slots]
+
+    def _attend(self, q: torch.Tensor, seq: SeqAttention) -> torch.Tensor:
+        k, v = self._kv(seq)  # [Hkv, T, d]
+        n = q.shape[0]
+        if n == 1:
+            # Decode: the G query heads of a KV head share its keys -> one batched matmul per
+            # KV head, no repeat of K/V.
+            qg = q.view(self.num_kv_heads, self.group, self.head_dim)  # [Hkv, G, d]
+            scores = torch.matmul(qg, k.transpose(1, 2)) * self.scale  # [Hkv, G, T]
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            return torch.matmul(probs, v).reshape(1, -1)  # [1, H*d]
+        # Prefill chunk: queries are the last n positions of the context (causal, aligned to
+        # the bottom-right, which SDPA's is_causal is not when n < T).
+        t = seq.kv_len
+        mask = None
+        if n != t:
+            q_pos = torch.arange(t - n, t, device=q.device)
+            mask = q_pos[:, None] >= torch.arange(t, device=q.device)[None, :]  # [n, T]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+            is_causal=mask is None, scale=self.scale, enable_gqa=True)  # [1, H, n, d]
+        return o[0].transpose(0, 1).reshape(n, -1)

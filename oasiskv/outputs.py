@@ -1,0 +1,17 @@
+from dataclasses import dataclass
+
+from oasiskv.engine.sequence import RequestMetrics
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]  # generated tokens only
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort", "error"
+    metrics: RequestMetrics
+    stop_reason: str | int | None = None  # the stop string or token that ended it
+    error: str | None = None

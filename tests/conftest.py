@@ -1,0 +1,64 @@
+"""Tiny random-weight models in HF layout, built by the tests themselves (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+CORPUS = [
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune,"
+    " must be in want of a wife.",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun.",
+    "Numbers like 12345 and 67890 appear in text; so do names such as Elizabeth and Darcy.",
+] * 4
+
+ARCHS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                {"sliding_window": None}),
+}
+
+
+def build_tokenizer(vocab_size: int = 320) -> transformers.PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                                eos_token="</s>")
+
+
+def build_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Saves a tiny random model + tokenizer as an HF directory; returns it."""
+    config_cls, model_cls, extra = ARCHS[arch]
+    tokenizer = build_tokenizer()
+    kwargs = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).eval()
+    # Random init leaves biases zero; make them count.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model_dir(tmp_path_factory.mktemp("tiny_llama"), "llama")
