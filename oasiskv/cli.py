@@ -13,10 +13,12 @@ from oasiskv.config import EngineConfig
 
 
 def _flag_type(annotation: str | type) -> type:
-    # Fields are annotated like "int | None" (postponed annotations): take the first type.
-    name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
-    name = name.split("|")[0].strip()
-    return {"int": int, "float": float, "bool": _bool, "str": str}.get(name, str)
+    # Fields are annotated like "int | None" (postponed annotations).
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    names = [n.strip() for n in text.split("|")]
+    if "str" in names:  # e.g. `int | str` sizes like 512MiB: the dataclass parses the text
+        return str
+    return {"int": int, "float": float, "bool": _bool}.get(names[0], str)
 
 
 def _bool(text: str) -> bool:

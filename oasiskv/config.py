@@ -22,7 +22,7 @@ def parse_bytes(value: int | float | str) -> int:
     """'2GiB' -> 2147483648; plain numbers are bytes."""
     if isinstance(value, int | float):
         return int(value)
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _BYTE_UNITS:
         raise ValueError(f"cannot read {value!r} as a size in bytes (examples: 512MiB, 2GiB, 1e9)")
     return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
@@ -119,7 +119,7 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = _field(64, "most requests in one running batch")
     max_num_batched_tokens: int = _field(
-        512, "most tokens one step processes; longer prompts are prefilled in chunks of this")
+        2048, "most tokens one step processes; longer prompts are prefilled in chunks of this")
     max_model_len: int | None = _field(
         None, "longest context (prompt + output) a request may reach; default: the model's")
 

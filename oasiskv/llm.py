@@ -54,8 +54,11 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
                ) -> Iterator[RequestOutput]:
-        """Yields the request's output after every step that added a token (cumulative text)."""
-        request_id = self.engine.add_request(prompt, sampling_params)
+        """Yields the request's output after every step that added a token (cumulative text).
+        The request is validated and queued here, before the first `next()`."""
+        return self._follow(self.engine.add_request(prompt, sampling_params))
+
+    def _follow(self, request_id: str) -> Iterator[RequestOutput]:
         try:
             while True:
                 for out in self.engine.step():

@@ -31,4 +31,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below 1e-5 logits/temperature overflows; such requests mean greedy (as in vLLM).
+        return self.temperature < 1e-5

@@ -75,6 +75,8 @@ class LLMEngine:
                       request_id: str | None = None) -> Sequence:
         """Validates a request at the boundary; nothing is queued yet."""
         params = params or SamplingParams()
+        if isinstance(prompt, str) and not prompt:
+            raise ValueError("prompt is empty")  # before a tokenizer adds BOS to it
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
@@ -148,6 +150,11 @@ class LLMEngine:
             seq.num_computed_tokens += n
         outputs = []
         for seq, token in zip(seqs, tokens, strict=True):
+            if isinstance(token, Exception):
+                log.error("request %s failed in sampling: %r", seq.request_id, token)
+                self._finish(seq, "error", error=f"{type(token).__name__}: {token}")
+                outputs.append(self._output(seq))
+                continue
             seq.token_ids.append(token)
             seq.metrics.num_generated_tokens = seq.num_output_tokens
             seq.metrics.first_token_time = seq.metrics.first_token_time or done
@@ -188,7 +195,9 @@ class LLMEngine:
             seq.output_text = self.decode(seq, drop_last=drop_last)
         seq.finish_reason, seq.error = reason, error
         seq.metrics.finish_time = time.perf_counter()
+        seq.metrics.num_generated_tokens = seq.num_output_tokens - drop_last
         self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
         self.counters["requests_failed" if reason == "error" else "requests_finished"] += 1
 
     def _on_step_failure(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
@@ -215,9 +224,7 @@ class LLMEngine:
         return [self._output(seq)]
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        out_ids = seq.output_token_ids
-        if seq.finish_reason == "stop" and isinstance(seq.stop_reason, int):
-            out_ids = out_ids[:-1]  # EOS / stop token is not part of the output
+        out_ids = seq.output_token_ids[:seq.metrics.num_generated_tokens]  # no EOS / stop id
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt,
             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], text=seq.output_text,

@@ -29,17 +29,22 @@ class Attention(nn.Module):
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype,
                           device=q.device)
         for seq in ctx.seqs:
-            out[seq.q_start:seq.q_end] = self._attend(q[seq.q_start:seq.q_end], seq)
+            rows = slice(seq.q_start, seq.q_end)
+            out[rows] = self._attend(q[rows], seq, k[rows], v[rows])
         return out
 
-    def _kv(self, seq: SeqAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv(self, seq: SeqAttention, k_new: torch.Tensor,
+            v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq.kv_len == seq.num_queries:  # whole context is new: use it as computed
+            return k_new.transpose(0, 1), v_new.transpose(0, 1)
         if seq.kv_start is not None:
             end = seq.kv_start + seq.kv_len
             return self.k_cache[:, seq.kv_start:end], self.v_cache[:, seq.kv_start:end]
         return self.k_cache[:, seq.kv_slots], self.v_cache[:, seq.kv_slots]
 
-    def _attend(self, q: torch.Tensor, seq: SeqAttention) -> torch.Tensor:
-        k, v = self._kv(seq)  # [Hkv, T, d]
+    def _attend(self, q: torch.Tensor, seq: SeqAttention, k_new: torch.Tensor,
+                v_new: torch.Tensor) -> torch.Tensor:
+        k, v = self._kv(seq, k_new, v_new)  # [Hkv, T, d]
         n = q.shape[0]
         if n == 1:
             # Decode: the G query heads of a KV head share its keys -> one batched matmul per

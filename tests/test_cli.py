@@ -1,0 +1,149 @@
+"""The command line: one flag per config field, typed the way a user types it, and an
+end-to-end `oasiskv generate` whose figures agree with an independent reference."""
+
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+import transformers
+
+from oasiskv.cli import build_parser, engine_kwargs, main
+from oasiskv.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def field_names() -> list[str]:
+    top = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("cache",
+                                                                              "scheduler")]
+    return (top + [f.name for f in dataclasses.fields(CacheConfig)]
+            + [f.name for f in dataclasses.fields(SchedulerConfig)])
+
+
+@pytest.mark.parametrize("command", [["generate"], ["bench", "decode"]])
+def test_help_lists_a_flag_per_config_field(capsys, command):
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for name in field_names():
+        assert re.search(rf"--{name.replace('_', '-')}\b", text), name
+    assert "--max-tokens" in text or command != ["generate"]
+
+
+# (field, what a user types, the Python value `LLM(...)` would get)
+TYPED = [
+    ("model", "some/dir", "some/dir"),
+    ("dtype", "bfloat16", "bfloat16"),
+    ("device", "cpu", "cpu"),
+    ("num_threads", "3", 3),
+    ("seed", "11", 11),
+    ("block_size", "32", 32),
+    ("device_kv_budget", "1048576", 1048576),
+    ("device_kv_budget", "512MiB", "512MiB"),
+    ("max_num_seqs", "5", 5),
+    ("max_num_batched_tokens", "256", 256),
+    ("max_model_len", "1024", 1024),
+]
+
+
+def test_typed_table_covers_every_field():
+    covered = {getattr(case, "values", case)[0] for case in TYPED}
+    assert covered == set(field_names())
+
+
+@pytest.mark.parametrize("name, typed, value", TYPED)
+def test_each_flag_reaches_the_same_config_as_the_keyword(name, typed, value):
+    try:
+        args = build_parser().parse_args(
+            ["generate", "--prompt", "x", f"--{name.replace('_', '-')}", typed])
+    except SystemExit:
+        pytest.fail(f"--{name.replace('_', '-')} {typed} was rejected")
+    kwargs = engine_kwargs(args)
+    assert kwargs == {name: value} or (name == "device_kv_budget" and set(kwargs) == {name})
+    assert EngineConfig.from_kwargs(**kwargs) == EngineConfig.from_kwargs(**{name: value})
+
+
+def test_unset_flags_keep_the_dataclass_defaults():
+    args = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert engine_kwargs(args) == {}
+
+
+PROMPT = "It is a truth universally acknowledged, that a single man"
+
+
+def test_generate_end_to_end(tiny_llama, tmp_path, capsys):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(PROMPT)
+    out_json = tmp_path / "out.json"
+    rc = main(["generate", "--model", str(tiny_llama), "--prompt-file", str(prompt_file),
+               "--max-tokens", "5", "--json", str(out_json), "--device-kv-budget", "1048576",
+               "--ignore-eos"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+
+    # Independent reference: the same prompt through transformers, greedy.
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_llama)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama,
+                                                           dtype=torch.float32).eval()
+    ids = tok.encode(PROMPT)
+    ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                                                                      dtype=torch.long),
+                      max_new_tokens=5, do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+
+    data = json.loads(out_json.read_text())
+    assert data["token_ids"] == ref
+    assert data["text"] == tok.decode(ref, skip_special_tokens=True)
+    assert data["finish_reason"] == "length"
+    m, s = data["metrics"], data["stats"]
+    assert m["prompt_tokens"] == len(ids) and m["generated_tokens"] == 5
+    assert m["ttft_s"] >= 0 and m["tpot_s"] >= 0 and m["e2e_s"] >= m["ttft_s"]
+    assert s["kv_bytes_per_block"] == 16 * 2 * 2 * 2 * 16 * 4
+    assert s["kv_peak_blocks"] == -(-(len(ids) + 4) // 16)  # the last token is never cached
+    assert s["kv_peak_bytes"] == s["kv_peak_blocks"] * s["kv_bytes_per_block"]
+    assert s["kv_blocks_total"] == 1048576 // s["kv_bytes_per_block"]
+    assert s["requests_finished"] == 1 and s["kv_blocks_used"] == 0
+
+    assert data["text"] in captured.out
+    lines = [ln for ln in captured.err.splitlines() if ln.startswith("[oasiskv]")]
+    assert len(lines) == 1, captured.err
+    summary = re.search(
+        r"prompt (\d+) tok \| generated (\d+) tok \(length\) \| TTFT ([\d.]+) s \| "
+        r"TPOT ([\d.]+) ms \| KV held ([\d.]+) MiB peak in (\d+) blocks of (\d+) tokens",
+        lines[0])
+    assert summary, lines[0]
+    prompt_n, gen_n, ttft, tpot, mib, blocks, block_size = summary.groups()
+    assert int(prompt_n) == len(ids) and int(gen_n) == 5
+    assert float(ttft) == pytest.approx(m["ttft_s"], abs=0.006)
+    assert float(tpot) == pytest.approx(m["tpot_s"] * 1e3, abs=0.06)
+    assert float(mib) == pytest.approx(s["kv_peak_bytes"] / 2**20, abs=0.06)
+    assert int(blocks) == s["kv_peak_blocks"] and int(block_size) == 16
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--model", "no-such-model-xyz", "--prompt", "hi"], "unknown model"),
+    (["--block-size", "12", "--prompt", "hi"], "power of two"),
+    (["--dtype", "float8", "--prompt", "hi"], "dtype"),
+    ([], "--prompt"),
+])
+def test_generate_errors_exit_2_with_message(tiny_llama, capsys, argv, match):
+    if "--model" not in argv:
+        argv = ["--model", str(tiny_llama), *argv]
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"oasiskv: error: .*{match}", err), err
+
+
+def test_bad_flag_value_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--prompt", "x", "--max-num-seqs", "many"])
+    assert exit_.value.code == 2
+    assert "--max-num-seqs" in capsys.readouterr().err

@@ -1,0 +1,163 @@
+"""The Python API: every config field is an `LLM(...)` keyword that takes effect; config
+validation; `parse_bytes`; prompt/params shapes accepted by `generate`."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from oasiskv import LLM, SamplingParams
+from oasiskv.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def all_field_names() -> set[str]:
+    """Read from the dataclasses themselves, not from EngineConfig.flat_fields()."""
+    sections = {"cache", "scheduler"}
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert sections <= names
+    return ((names - sections) | {f.name for f in dataclasses.fields(CacheConfig)}
+            | {f.name for f in dataclasses.fields(SchedulerConfig)})
+
+
+BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K+V, 2 layers, 2 KV heads, head_dim 16, fp32
+
+# field -> (a non-default value, a check that it took effect in the engine)
+FIELD_VALUES = {
+    "model": (None, lambda e, path: e.config.model == path),
+    "dtype": ("bfloat16", lambda e, _: next(e.model.parameters()).dtype == torch.bfloat16
+              and e.runner.kv.dtype == torch.bfloat16),
+    "device": ("cpu", lambda e, _: e.device == torch.device("cpu")
+               and e.runner.kv.device.type == "cpu"),
+    "num_threads": (2, lambda e, _: torch.get_num_threads() == 2),
+    "seed": (7, lambda e, _: e.default_generator.initial_seed() == 7),
+    "block_size": (8, lambda e, _: e.pool.block_size == 8
+                   and e.bytes_per_block == 8 * BYTES_PER_TOKEN),
+    "device_kv_budget": ("96KiB", lambda e, _: e.pool.num_blocks == 96 * 1024
+                         // (16 * BYTES_PER_TOKEN) == 12),
+    "max_num_seqs": (2, lambda e, _: e.scheduler.cfg.max_num_seqs == 2),
+    "max_num_batched_tokens": (32, lambda e, _: e.scheduler.cfg.max_num_batched_tokens == 32),
+    "max_model_len": (64, lambda e, _: e.max_model_len == 64),
+}
+
+
+def test_field_table_covers_every_config_field():
+    assert set(FIELD_VALUES) == all_field_names()
+    assert {f.name for _, f in EngineConfig.flat_fields()} == all_field_names()
+
+
+@pytest.mark.parametrize("name", sorted(FIELD_VALUES))
+def test_every_config_field_is_an_llm_keyword(tiny_llama, name):
+    value, took_effect = FIELD_VALUES[name]
+    path = str(tiny_llama)
+    kwargs = {"model": path} if name == "model" else {"model": path, name: value}
+    try:
+        llm = LLM(**kwargs)
+        assert took_effect(llm.engine, path)
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2,
+                                                       ignore_eos=True), use_tqdm=False)[0]
+        assert len(out.token_ids) == 2
+    finally:
+        torch.set_num_threads(1)  # num_threads sets torch's process-wide count
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"block_size": 12}, "power of two"), ({"block_size": 0}, "power of two"),
+    ({"block_size": -16}, "power of two"),
+    ({"dtype": "float8"}, "dtype 'float8'"), ({"dtype": "int8"}, "dtype"),
+    ({"device": "nonsense"}, "device"),
+    ({"num_threads": 0}, "num_threads"),
+    ({"device_kv_budget": "lots"}, "size in bytes"), ({"device_kv_budget": 0}, "positive"),
+    ({"max_num_seqs": 0}, "max_num_seqs"), ({"max_num_batched_tokens": -1},
+                                            "max_num_batched_tokens"),
+    ({"max_model_len": 0}, "max_model_len"),
+    ({"max_num_seq": 4}, r"unknown config option.*max_num_seq"),
+])
+def test_config_validation(tiny_llama, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tiny_llama), **kwargs)
+    with pytest.raises(ValueError, match=match):
+        EngineConfig.from_kwargs(**kwargs)
+
+
+def test_config_sections_validate_on_their_own():
+    with pytest.raises(ValueError, match="power of two"):
+        CacheConfig(block_size=24)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=-1)
+    assert CacheConfig(block_size=32, device_kv_budget="2MiB").device_kv_budget == 2 * 2**20
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("0.5KiB", 512), ("2TiB", 2 * 2**40),
+    ("1gib", 2**30), ("1.5k", 1500), ("1 GB", 10**9), (" 3 kb ", 3000), ("4096", 4096),
+    ("7b", 7), ("2M", 2 * 10**6), (4096, 4096), (1e9, 10**9), (2.5e3, 2500),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["abc", "", "12XB", "-5", "GiB", "1.2.3GB", "5 G i B"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ValueError):
+        parse_bytes(text)
+
+
+def test_parse_bytes_accepts_its_advertised_example():
+    assert parse_bytes("1e9") == 10**9
+
+
+# ---------------------------------------------------------------- generate's inputs
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    return LLM(str(tiny_llama), device_kv_budget="1MiB")
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def test_generate_accepts_text_ids_and_lists_in_order(llm):
+    texts = ["The quick brown fox", "It is a truth"]
+    ids = [llm.tokenizer.encode(t) for t in texts]
+    by_ids = llm.generate(ids, GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in by_ids] == ids
+    by_text = llm.generate(texts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in by_text] == [o.token_ids for o in by_ids]
+    assert [o.prompt for o in by_text] == texts
+    one = llm.generate(texts[1], GREEDY, use_tqdm=False)  # a single string
+    assert len(one) == 1 and one[0].token_ids == by_ids[1].token_ids
+    one = llm.generate(ids[0], GREEDY, use_tqdm=False)  # a single list of ids
+    assert len(one) == 1 and one[0].token_ids == by_ids[0].token_ids
+    # Per-prompt params, reversed order of lengths: outputs still follow prompt order.
+    outs = llm.generate(ids, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+                              for m in (6, 2)], use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [6, 2]
+    assert outs[0].token_ids[:4] == by_ids[0].token_ids
+
+
+def test_generate_rejects_bad_shapes(llm):
+    with pytest.raises(ValueError, match="no prompts"):
+        llm.generate([], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        llm.generate(["a b"], [GREEDY, GREEDY], use_tqdm=False)
+    with pytest.raises(ValueError, match="chat template"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_stats_after_generate(llm):
+    llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    s = llm.stats()
+    assert s["kv_bytes_per_block"] == 16 * BYTES_PER_TOKEN
+    assert s["kv_blocks_total"] == 2**20 // s["kv_bytes_per_block"]
+    assert s["kv_blocks_used"] == s["kv_bytes_held"] == 0
+    assert s["kv_peak_bytes"] == s["kv_peak_blocks"] * s["kv_bytes_per_block"] > 0
