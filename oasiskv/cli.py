@@ -51,7 +51,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("give --prompt TEXT or --prompt-file FILE")
     llm = LLM(**engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+                            top_p=args.top_p, top_k=args.sampling_top_k, seed=args.sampling_seed,
                             stop=args.stop, ignore_eos=args.ignore_eos)
     if args.chat:
         out = llm.chat([{"role": "user", "content": prompt}], params)[0]
@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--sampling-top-k", type=int, default=-1,
+                     help="sample from the k most likely tokens (-1: all); --top-k is the "
+                     "sparse working-set size")
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")

@@ -8,6 +8,7 @@ under one name.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,11 +102,26 @@ def _field(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+KV_MODES = ("dense", "sparse")
+PREDICTORS = ("exact",)
+
+
 @dataclass
 class CacheConfig:
     block_size: int = _field(16, "tokens per KV block")
     device_kv_budget: int | str = _field(
         "4GiB", "bytes of KV cache on the device (e.g. 512MiB, 2GiB); sets the block pool size")
+    kv_mode: str = _field(
+        "dense", "dense: every block on the device; sparse: a per-head working set of top_k "
+        "blocks on the device, the full history in the host tier")
+    top_k: int = _field(128, "sparse: resident blocks per KV head (K); the active block is extra")
+    f_hbm: float = _field(
+        0.05, "sparse: at most ceil(f_hbm*top_k) new blocks admitted per head, layer and step")
+    host_kv_budget: int | str = _field(
+        "8GiB", "sparse: bytes of host memory for the complete KV history of running requests")
+    predictor: str = _field("exact", f"sparse: which query picks the blocks: {PREDICTORS}")
+    score_alpha: float = _field(
+        1.0, "sparse: block score q.c + alpha*|q|.r over the min/max key summary (1 = Quest)")
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -113,6 +129,24 @@ class CacheConfig:
         self.device_kv_budget = parse_bytes(self.device_kv_budget)
         if self.device_kv_budget <= 0:
             raise ValueError(f"device_kv_budget must be positive, got {self.device_kv_budget}")
+        self.host_kv_budget = parse_bytes(self.host_kv_budget)
+        if self.host_kv_budget <= 0:
+            raise ValueError(f"host_kv_budget must be positive, got {self.host_kv_budget}")
+        if self.kv_mode not in KV_MODES:
+            raise ValueError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
+        if self.predictor not in PREDICTORS:
+            raise ValueError(f"predictor must be one of {PREDICTORS}, got {self.predictor!r}")
+        if self.top_k <= 0:
+            raise ValueError(f"top_k must be a positive number of blocks, got {self.top_k}")
+        if not 0 < self.f_hbm <= 1:
+            raise ValueError(f"f_hbm must be in (0, 1], got {self.f_hbm}")
+        if self.score_alpha < 0:
+            raise ValueError(f"score_alpha must be >= 0, got {self.score_alpha}")
+
+    @property
+    def fetch_cap(self) -> int:
+        """Newly admitted blocks per head, layer and step once a working set is seeded."""
+        return math.ceil(self.f_hbm * self.top_k)
 
 
 @dataclass

@@ -6,19 +6,25 @@ The runner builds it once per step; model files never see it, only `layers/atten
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from oasiskv.kv.residency import SparseKV
 
 
 @dataclass
 class SeqAttention:
-    """One sequence's part of the flattened token batch and where its KV lives in the pool."""
+    """One sequence's part of the flattened token batch and where its KV lives."""
 
     q_start: int  # first row of this sequence in the step's token batch
     q_end: int  # one past its last row
-    kv_len: int  # context tokens attended, including this step's new ones
-    kv_start: int | None  # first token slot when the context is one contiguous run
+    kv_len: int  # token slots attended, including this step's new ones
+    kv_start: int | None  # first token slot when they are one contiguous run
     kv_slots: torch.Tensor | None  # [kv_len] token slots otherwise (gather path)
+    pool: str = "device"  # "device" or "host" (sparse prefill reads the host tier)
+    kv_valid: torch.Tensor | None = None  # [Hkv, kv_len] sparse working set: which slots hold KV
 
     @property
     def num_queries(self) -> int:
@@ -26,9 +32,19 @@ class SeqAttention:
 
 
 @dataclass
+class KVWrite:
+    """New tokens' K/V rows of the batch -> token slots of one pool."""
+
+    pool: str  # "device" or "host"
+    rows: torch.Tensor  # [n] rows of the step's token batch
+    slots: torch.Tensor  # [n] token slots
+
+
+@dataclass
 class StepContext:
-    slot_mapping: torch.Tensor  # [N] pool token slot that each new token's K/V is written to
+    writes: list[KVWrite] = field(default_factory=list)
     seqs: list[SeqAttention] = field(default_factory=list)
+    sparse: SparseKV | None = None  # selects and fetches working sets before attention
 
 
 _CONTEXT: StepContext | None = None

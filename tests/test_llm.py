@@ -33,9 +33,9 @@ BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K+V, 2 layers, 2 KV heads, head_dim 16, 
 FIELD_VALUES = {
     "model": (None, lambda e, path: e.config.model == path),
     "dtype": ("bfloat16", lambda e, _: next(e.model.parameters()).dtype == torch.bfloat16
-              and e.runner.kv.dtype == torch.bfloat16),
+              and e.runner.device_kv.dtype == torch.bfloat16),
     "device": ("cpu", lambda e, _: e.device == torch.device("cpu")
-               and e.runner.kv.device.type == "cpu"),
+               and e.runner.device_kv.device.type == "cpu"),
     "num_threads": (2, lambda e, _: torch.get_num_threads() == 2),
     "seed": (7, lambda e, _: e.default_generator.initial_seed() == 7),
     "block_size": (8, lambda e, _: e.pool.block_size == 8
@@ -45,6 +45,12 @@ FIELD_VALUES = {
     "max_num_seqs": (2, lambda e, _: e.scheduler.cfg.max_num_seqs == 2),
     "max_num_batched_tokens": (32, lambda e, _: e.scheduler.cfg.max_num_batched_tokens == 32),
     "max_model_len": (64, lambda e, _: e.max_model_len == 64),
+    "kv_mode": ("sparse", lambda e, _: e.sparse is not None and e.kv.sparse),
+    "top_k": (4, lambda e, _: e.config.cache.top_k == 4),
+    "f_hbm": (0.5, lambda e, _: e.config.cache.fetch_cap == 64),
+    "host_kv_budget": ("1MiB", lambda e, _: e.config.cache.host_kv_budget == 2**20),
+    "predictor": ("exact", lambda e, _: e.config.cache.predictor == "exact"),
+    "score_alpha": (0.5, lambda e, _: e.config.cache.score_alpha == 0.5),
 }
 
 

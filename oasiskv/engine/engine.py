@@ -9,11 +9,12 @@ from collections.abc import Callable
 
 import torch
 
-from oasiskv.config import EngineConfig, ModelConfig
-from oasiskv.engine.runner import ModelRunner
+from oasiskv.config import CacheConfig, EngineConfig, ModelConfig
+from oasiskv.engine.runner import ModelRunner, allocate_kv
 from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
 from oasiskv.engine.sequence import Sequence
-from oasiskv.kv.blocks import BlockPool
+from oasiskv.kv.blocks import BlockPool, KVAllocator
+from oasiskv.kv.residency import SparseKV
 from oasiskv.layers.sampler import sample
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import load_checkpoint
@@ -49,15 +50,7 @@ class LLMEngine:
             log.warning("model uses a %d-token sliding window; capping max_model_len to it",
                         mc.sliding_window)
             self.max_model_len = mc.sliding_window
-        block = config.cache.block_size
-        self.bytes_per_block = mc.kv_bytes_per_token(dtype) * block
-        num_blocks = config.cache.device_kv_budget // self.bytes_per_block
-        if num_blocks == 0:
-            raise ValueError(f"device_kv_budget {config.cache.device_kv_budget} B is smaller "
-                             f"than one KV block ({self.bytes_per_block} B)")
-        self.pool = BlockPool(num_blocks, block)
-        self.scheduler = Scheduler(config.scheduler, self.pool)
-        self.runner = ModelRunner(self.model, num_blocks, block, self.device, dtype)
+        self._build_kv(config.cache, mc, dtype)
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -68,6 +61,48 @@ class LLMEngine:
                          "requests_finished": 0, "requests_failed": 0, "step_failures": 0}
         # Called with (batch) after each successful forward; tests use it to inject faults.
         self.step_hooks: list[Callable[[ScheduledBatch], None]] = []
+
+    def _build_kv(self, cache: CacheConfig, mc: ModelConfig, dtype: torch.dtype) -> None:
+        """Device pool (dense blocks or sparse slabs), and in sparse mode the host tier and the
+        block summaries. The summaries live on the device and are paid from its budget."""
+        block = cache.block_size
+        self.bytes_per_block = mc.kv_bytes_per_token(dtype) * block
+        device_bytes = cache.device_kv_budget
+        host_blocks = summary_bytes = 0
+        if cache.kv_mode == "sparse":
+            if self.device.type != "cpu":
+                raise ValueError("kv_mode=sparse runs on the CPU for now: its prefill reads the "
+                                 "host tier in place (the GPU path needs the prefetch executor)")
+            host_blocks = cache.host_kv_budget // self.bytes_per_block
+            summary_bytes = host_blocks * self.bytes_per_block // block  # kmin+kmax: 2 of 2B rows
+            device_bytes -= summary_bytes
+        num_blocks = max(device_bytes, 0) // self.bytes_per_block
+        if num_blocks == 0:
+            raise ValueError(f"device_kv_budget {cache.device_kv_budget} B leaves no room for "
+                             f"one KV block ({self.bytes_per_block} B)"
+                             + (f" after {summary_bytes} B of block summaries for the host "
+                                f"tier's {host_blocks} blocks" if summary_bytes else ""))
+        device_kv = allocate_kv(mc, num_blocks, block, dtype, self.device)
+        self.pool = BlockPool(num_blocks, block)
+        self.summary_bytes = summary_bytes
+        if cache.kv_mode == "dense":
+            self.kv = KVAllocator(self.pool)
+            self.sparse = None
+            self.runner = ModelRunner(self.model, device_kv, block)
+        else:
+            if host_blocks == 0:
+                raise ValueError(f"host_kv_budget {cache.host_kv_budget} B is smaller than one "
+                                 f"KV block ({self.bytes_per_block} B)")
+            host_kv = allocate_kv(mc, host_blocks, block, dtype,
+                                  pin=torch.cuda.is_available())
+            self.host_pool = BlockPool(host_blocks, block)
+            self.kv = KVAllocator(self.pool, self.host_pool, slab_blocks=cache.top_k + 1)
+            summary = (mc.num_layers, host_blocks, mc.num_kv_heads, mc.head_dim)
+            self.sparse = SparseKV(cache, device_kv, host_kv,
+                                   torch.empty(summary, dtype=dtype, device=self.device),
+                                   torch.empty(summary, dtype=dtype, device=self.device))
+            self.runner = ModelRunner(self.model, device_kv, block, host_kv, self.sparse)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -91,16 +126,16 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, model context is "
                              f"{self.max_model_len} (it must leave room for one output token)")
-        longest = min(len(ids) + params.max_tokens, self.max_model_len)
-        if self.pool.blocks_for(longest) > self.pool.num_blocks:
-            raise ValueError(f"request needs up to {longest} tokens of KV, the device KV budget "
-                             f"holds {self.pool.num_blocks * self.pool.block_size}; raise "
-                             f"device_kv_budget or lower max_tokens")
+        max_context = min(len(ids) + params.max_tokens, self.max_model_len)
+        problem = self.kv.fits_alone(max_context)
+        if problem:
+            raise ValueError(problem)
         request_id = request_id or str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        return Sequence(request_id, ids, len(ids), params, prompt=text, generator=gen)
+        return Sequence(request_id, ids, len(ids), params, prompt=text, generator=gen,
+                        max_context=max_context)
 
     def add_sequence(self, seq: Sequence) -> str:
         seq.metrics.num_prompt_tokens = seq.num_prompt_tokens
@@ -235,7 +270,16 @@ class LLMEngine:
 
     def stats(self) -> dict:
         used = self.pool.num_used
-        return {**self.counters,
+        sparse = {}
+        if self.sparse is not None:
+            c = self.sparse.counters
+            sparse = {f"sparse_{k}": v for k, v in vars(c).items()}
+            sparse.update(host_blocks_used=self.host_pool.num_used,
+                          host_blocks_total=self.host_pool.num_blocks,
+                          host_bytes_held=self.host_pool.num_used * self.bytes_per_block,
+                          summary_bytes=self.summary_bytes,
+                          slab_bytes=(self.config.cache.top_k + 1) * self.bytes_per_block)
+        return {**self.counters, **sparse,
                 "preemptions": self.scheduler.num_preemptions,
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),

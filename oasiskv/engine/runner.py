@@ -1,47 +1,86 @@
-"""Runs the model for one scheduled batch: owns the KV pool, builds the step context."""
+"""Runs the model for one scheduled batch: owns the KV pools, builds the step context."""
+
+from __future__ import annotations
 
 import torch
 
-from oasiskv.context import SeqAttention, StepContext, set_context
+from oasiskv.config import ModelConfig
+from oasiskv.context import KVWrite, SeqAttention, StepContext, set_context
 from oasiskv.engine.scheduler import ScheduledBatch
+from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import is_contiguous
+from oasiskv.kv.residency import SparseKV
 from oasiskv.models.llama import LlamaForCausalLM
 
 
+def allocate_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                device: torch.device | str = "cpu", pin: bool = False) -> torch.Tensor:
+    """A KV pool [layers, K/V, Hkv, num_blocks * B, d]. torch.empty: pages are touched only
+    when used."""
+    return torch.empty(cfg.num_layers, 2, cfg.num_kv_heads, num_blocks * block_size,
+                       cfg.head_dim, dtype=dtype, device=device, pin_memory=pin)
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        cfg = model.config
+    def __init__(self, model: LlamaForCausalLM, device_kv: torch.Tensor, block_size: int,
+                 host_kv: torch.Tensor | None = None, sparse: SparseKV | None = None) -> None:
         self.model = model
-        self.device = device
+        self.device_kv = device_kv
+        self.device = device_kv.device
         self.block_size = block_size
-        # [layers, K/V, Hkv, slots, d]; torch.empty: pages are touched only when used.
-        self.kv = torch.empty(cfg.num_layers, 2, cfg.num_kv_heads, num_blocks * block_size,
-                              cfg.head_dim, dtype=dtype, device=device)
+        self.sparse = sparse
+        # Pools are [layers, K/V, Hkv, slots, d]; each attention layer gets its slices.
         for i, attn in enumerate(model.attention_layers()):
-            attn.k_cache, attn.v_cache = self.kv[i, 0], self.kv[i, 1]
+            attn.layer_idx = i
+            attn.pools = {"device": (device_kv[i, 0], device_kv[i, 1])}
+            if host_kv is not None:
+                attn.pools["host"] = (host_kv[i, 0], host_kv[i, 1])
 
     def _token_slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
         blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
         return blocks * self.block_size + pos % self.block_size
 
+    def _view(self, table: list[int], row: int, n: int, kv_len: int,
+              pool: str) -> SeqAttention:
+        if is_contiguous(table):
+            return SeqAttention(row, row + n, kv_len, table[0] * self.block_size, None, pool)
+        slots = self._token_slots(table, 0, kv_len).to(self.device)
+        return SeqAttention(row, row + n, kv_len, None, slots, pool)
+
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
-        ids, positions, slots, seqs = [], [], [], []
+        ids, positions = [], []
+        writes: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        ctx = StepContext(sparse=self.sparse)
+        decodes: list[tuple[Sequence, SeqAttention]] = []
         row = 0
         for seq, n in batch:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids += seq.token_ids[start:end]
             positions.append(torch.arange(start, end))
-            slots.append(self._token_slots(seq.block_table, start, end))
-            if is_contiguous(seq.block_table):
-                kv_start, kv_slots = seq.block_table[0] * self.block_size, None
-            else:
-                kv_start, kv_slots = None, self._token_slots(seq.block_table, 0, end).to(
-                    self.device)
-            seqs.append(SeqAttention(row, row + n, end, kv_start, kv_slots))
+            rows = torch.arange(row, row + n)
+            if self.sparse is None:  # dense: the device pool holds every block
+                pool, slots = "device", self._token_slots(seq.block_table, start, end)
+                attn = self._view(seq.block_table, row, n, end, pool)
+            elif n == 1:  # sparse decode: the token goes to the active slot of the slab
+                k = len(seq.block_table) - 1
+                pool = "device"
+                slots = torch.tensor([seq.block_table[k] * self.block_size
+                                      + start % self.block_size])
+                attn = self._view(seq.block_table, row, n, (k + 1) * self.block_size, pool)
+                decodes.append((seq, attn))
+            else:  # sparse prefill: K/V go to the host tier, attention reads it there
+                pool, slots = "host", self._token_slots(seq.host_table, start, end)
+                attn = self._view(seq.host_table, row, n, end, pool)
+            writes.setdefault(pool, ([], []))
+            writes[pool][0].append(rows)
+            writes[pool][1].append(slots)
+            ctx.seqs.append(attn)
             row += n
-        ctx = StepContext(slot_mapping=torch.cat(slots).to(self.device), seqs=seqs)
+        ctx.writes = [KVWrite(pool, torch.cat(r).to(self.device), torch.cat(s).to(self.device))
+                      for pool, (r, s) in writes.items()]
+        if self.sparse is not None:
+            self.sparse.begin_step(decodes)
         return (torch.tensor(ids, device=self.device), torch.cat(positions).to(self.device), ctx)
 
     @torch.inference_mode()
@@ -54,4 +93,10 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)
         finally:
             set_context(None)
+        if self.sparse is not None:
+            for seq, n in batch:
+                if n > 1:
+                    self.sparse.summarize_prefill(seq, seq.num_computed_tokens,
+                                                  seq.num_computed_tokens + n, n)
+            self.sparse.end_step()
         return self.model.compute_logits(hidden[sample_rows]).float()

@@ -11,15 +11,15 @@ from collections import deque
 
 from oasiskv.config import SchedulerConfig
 from oasiskv.engine.sequence import Sequence, SequenceStatus
-from oasiskv.kv.blocks import BlockPool
+from oasiskv.kv.blocks import KVAllocator
 
 ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: BlockPool) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVAllocator) -> None:
         self.cfg = cfg
-        self.pool = pool
+        self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -50,10 +50,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.pool.can_allocate(self.pool.blocks_for(seq.num_computed_tokens + n)
-                                          - len(seq.block_table)):
+            if not self.kv.can_grow(seq, seq.num_computed_tokens + n):
                 break
-            self.pool.grow(seq.block_table, seq.num_computed_tokens + n)
+            self.kv.grow(seq, seq.num_computed_tokens + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -64,15 +63,14 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Make blocks for `n` more tokens of `seq`, preempting later-admitted requests that
         are not in this step's batch; preempt `seq` itself when nothing else can go."""
-        need = self.pool.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
         scheduled = {id(s) for s, _ in batch}
-        while not self.pool.can_allocate(need):
+        while not self.kv.can_grow(seq, seq.num_computed_tokens + n):
             victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
             if not victims:
                 self.preempt(seq)
                 return False
             self.preempt(victims[-1])
-        self.pool.grow(seq.block_table, seq.num_computed_tokens + n)
+        self.kv.grow(seq, seq.num_computed_tokens + n)
         return True
 
     def _schedule_alone(self, seq: Sequence) -> ScheduledBatch:
@@ -86,7 +84,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free the request's KV and put it first in line; it is recomputed from its tokens."""
         self.running.remove(seq)
-        self.pool.free(seq.block_table)
+        self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
@@ -98,5 +96,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.free(seq.block_table)
+        self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED

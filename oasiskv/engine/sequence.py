@@ -59,9 +59,12 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     prompt: str | None = None
+    max_context: int = 0  # prompt + max_tokens, capped by the model's context
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # device blocks (sparse: the slab)
+    host_table: list[int] = field(default_factory=list)  # sparse: host blocks of the history
+    working_set: object | None = None  # sparse: kv.residency.WorkingSet once decoding
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
     stop_reason: str | int | None = None

@@ -6,7 +6,14 @@ before it to grow), because attention then reads the request's KV as a view of t
 of gathering it. Correctness never depends on it: fragmented tables take the gather path.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from oasiskv.engine.sequence import Sequence
 
 
 class BlockPool:
@@ -64,3 +71,61 @@ class BlockPool:
 def is_contiguous(table: list[int]) -> bool:
     return not table or (table[-1] - table[0] == len(table) - 1
                          and all(b - a == 1 for a, b in zip(table, table[1:], strict=False)))
+
+
+class KVAllocator:
+    """How many blocks of each tier a request holds for a number of tokens.
+
+    dense: every block on the device, allocated as the request grows (a request that cannot
+    grow preempts another). sparse: a fixed slab of K+1 device blocks (the working set) and
+    host blocks for the request's whole possible history, reserved at admission, so a running
+    sparse request never needs more memory and is never preempted: recomputing it would lose
+    its working-set history and change its output.
+    """
+
+    def __init__(self, device: BlockPool, host: BlockPool | None = None,
+                 slab_blocks: int | None = None) -> None:
+        self.device, self.host, self.slab_blocks = device, host, slab_blocks
+
+    @property
+    def sparse(self) -> bool:
+        return self.host is not None
+
+    def needs(self, seq: Sequence, num_tokens: int) -> tuple[int, int]:
+        """Additional (device, host) blocks for `seq` to hold `num_tokens` tokens."""
+        if not self.sparse:
+            return self.device.blocks_for(num_tokens) - len(seq.block_table), 0
+        return (self.slab_blocks - len(seq.block_table),
+                self.host.blocks_for(max(num_tokens, seq.max_context)) - len(seq.host_table))
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        dev, host = self.needs(seq, num_tokens)
+        return self.device.can_allocate(dev) and (host <= 0 or self.host.can_allocate(host))
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        if not self.sparse:
+            self.device.grow(seq.block_table, num_tokens)
+            return
+        self.device.grow(seq.block_table, self.slab_blocks * self.device.block_size)
+        self.host.grow(seq.host_table, max(num_tokens, seq.max_context))
+
+    def free(self, seq: Sequence) -> None:
+        self.device.free(seq.block_table)
+        if self.sparse:
+            self.host.free(seq.host_table)
+            seq.working_set = None
+
+    def fits_alone(self, num_tokens: int) -> str | None:
+        """None when one request of `num_tokens` fits the empty tiers, else the reason."""
+        if not self.sparse:
+            need, have = self.device.blocks_for(num_tokens), self.device.num_blocks
+            return None if need <= have else (
+                f"request needs up to {num_tokens} tokens of KV, the device KV budget holds "
+                f"{have * self.device.block_size}; raise device_kv_budget or lower max_tokens")
+        if self.slab_blocks > self.device.num_blocks:
+            return (f"a sparse working set needs {self.slab_blocks} device blocks (top_k + 1), "
+                    f"the device KV budget holds {self.device.num_blocks}")
+        need, have = self.host.blocks_for(num_tokens), self.host.num_blocks
+        return None if need <= have else (
+            f"request needs up to {num_tokens} tokens of KV, the host KV budget holds "
+            f"{have * self.host.block_size}; raise host_kv_budget or lower max_tokens")

@@ -1,8 +1,10 @@
-"""Attention over the paged KV pool.
+"""Attention over the paged KV pools.
 
 Pool layout per layer: `[Hkv, num_blocks * B, d]` (token slot = block * B + offset). Keeping the
 head axis outermost means a request whose blocks are contiguous is a strided *view* of the pool,
-so decode reads its KV in place; only fragmented block tables pay for a gather.
+so decode reads its KV in place; only fragmented block tables pay for a gather. A sparse
+request's working set is the same shape, one slab of K+1 blocks whose slots hold different
+blocks per head, so dense and sparse requests share this code; only the mask differs.
 """
 
 import torch
@@ -18,14 +20,19 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.scale = scale
-        # Bound by the runner to this layer's slice of the pool: [Hkv, slots, d] each.
-        self.k_cache = self.v_cache = torch.empty(0)
+        self.layer_idx = -1
+        # Bound by the runner to this layer's slices of the pools: [Hkv, slots, d] each.
+        self.pools: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [N, H, d], k/v [N, Hkv, d] -> [N, H*d]
         ctx = get_context()
-        self.k_cache.index_copy_(1, ctx.slot_mapping, k.transpose(0, 1))
-        self.v_cache.index_copy_(1, ctx.slot_mapping, v.transpose(0, 1))
+        for w in ctx.writes:
+            k_cache, v_cache = self.pools[w.pool]
+            k_cache.index_copy_(1, w.slots, k[w.rows].transpose(0, 1))
+            v_cache.index_copy_(1, w.slots, v[w.rows].transpose(0, 1))
+        if ctx.sparse is not None:
+            ctx.sparse.prepare_layer(self.layer_idx, q)
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype,
                           device=q.device)
         for seq in ctx.seqs:
@@ -37,10 +44,11 @@ class Attention(nn.Module):
             v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if seq.kv_len == seq.num_queries:  # whole context is new: use it as computed
             return k_new.transpose(0, 1), v_new.transpose(0, 1)
+        k_cache, v_cache = self.pools[seq.pool]
         if seq.kv_start is not None:
             end = seq.kv_start + seq.kv_len
-            return self.k_cache[:, seq.kv_start:end], self.v_cache[:, seq.kv_start:end]
-        return self.k_cache[:, seq.kv_slots], self.v_cache[:, seq.kv_slots]
+            return k_cache[:, seq.kv_start:end], v_cache[:, seq.kv_start:end]
+        return k_cache[:, seq.kv_slots], v_cache[:, seq.kv_slots]
 
     def _attend(self, q: torch.Tensor, seq: SeqAttention, k_new: torch.Tensor,
                 v_new: torch.Tensor) -> torch.Tensor:
@@ -51,6 +59,8 @@ class Attention(nn.Module):
             # KV head, no repeat of K/V.
             qg = q.view(self.num_kv_heads, self.group, self.head_dim)  # [Hkv, G, d]
             scores = torch.matmul(qg, k.transpose(1, 2)) * self.scale  # [Hkv, G, T]
+            if seq.kv_valid is not None:
+                scores.masked_fill_(~seq.kv_valid[:, None, :], float("-inf"))
             probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
             return torch.matmul(probs, v).reshape(1, -1)  # [1, H*d]
         # Prefill chunk: queries are the last n positions of the context (causal, aligned to

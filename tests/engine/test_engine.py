@@ -262,7 +262,7 @@ def test_bad_engine_config_is_value_error(model, good_tokens):
         LLM("no-such-model-xyz")
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(model, max_model_len=10_000)  # the tiny model's context is 512
-    with pytest.raises(ValueError, match="smaller than one KV block"):
+    with pytest.raises(ValueError, match="no room for one KV block"):
         LLM(model, device_kv_budget=100)
     assert gen(make_llm(model), [GOOD], GOOD_PARAMS)[0].token_ids == good_tokens
 

@@ -6,7 +6,7 @@ import transformers
 from conftest import build_model_dir
 
 from oasiskv.config import ModelConfig
-from oasiskv.engine.runner import ModelRunner
+from oasiskv.engine.runner import ModelRunner, allocate_kv
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import BlockPool, is_contiguous
 from oasiskv.models.llama import LlamaForCausalLM
@@ -41,7 +41,7 @@ def run_chunks(model, tokens, chunks, num_blocks=64, scatter=False):
     """Feeds `tokens` through our runner in the given chunk sizes; returns logits [T, V] and
     the block table used."""
     pool = BlockPool(num_blocks, 16)
-    runner = ModelRunner(model, num_blocks, 16, torch.device("cpu"), torch.float32)
+    runner = ModelRunner(model, allocate_kv(model.config, num_blocks, 16, torch.float32), 16)
     seq = Sequence("s", list(tokens), len(tokens), SamplingParams())
     logits = []
     for n in chunks:

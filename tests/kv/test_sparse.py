@@ -1,0 +1,240 @@
+"""Sparse decode: scoring and selection against brute force, working-set invariants on the
+engine under random schedules, equality with dense decode when K covers every block."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import oasiskv.engine.engine as engine_mod
+from oasiskv import LLM, SamplingParams
+from oasiskv.kv.select import block_scores, insert_block, select_capped_lru, top_k_blocks
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+# ---------------------------------------------------------------- scoring and top-K
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5, 0.0])
+def test_block_scores_equal_brute_force_bound(alpha):
+    torch.manual_seed(0)
+    hkv, group, d, n = 3, 3, 8, 11
+    q = torch.randn(hkv * group, d)
+    keys = torch.randn(n, 16, hkv, d)  # n blocks of 16 tokens
+    kmin, kmax = keys.amin(1), keys.amax(1)  # [n, Hkv, d]
+    got = block_scores(q, kmin, kmax, alpha)
+    want = torch.zeros(hkv, n)
+    for g in range(hkv):
+        for b in range(n):
+            for h in range(g * group, (g + 1) * group):
+                c, r = (kmax[b, g] + kmin[b, g]) / 2, (kmax[b, g] - kmin[b, g]) / 2
+                want[g, b] += (q[h] @ c + alpha * (q[h].abs() @ r)).item()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if alpha == 1.0:  # Quest's bound: per channel the larger of q*kmin and q*kmax
+        quest = torch.stack([
+            sum(torch.maximum(q[h] * kmin[:, g], q[h] * kmax[:, g]).sum(-1)
+                for h in range(g * group, (g + 1) * group)) for g in range(hkv)])
+        torch.testing.assert_close(got, quest, rtol=1e-5, atol=1e-5)
+        # ...which bounds every real key's score from above
+        real = torch.stack([sum(keys[:, :, g] @ q[h] for h in range(g * group, (g + 1) * group))
+                            for g in range(hkv)])  # [Hkv, n, 16]
+        assert (real.amax(-1) <= got + 1e-4).all()
+
+
+def test_top_k_matches_sorting():
+    torch.manual_seed(1)
+    scores = torch.randn(3, 40)
+    for k in (1, 7, 40, 100):
+        got = top_k_blocks(scores, k)
+        want = torch.argsort(scores, dim=-1, descending=True)[:, :min(k, 40)]
+        assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------- selection invariants
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_capped_lru_selection_invariants(data):
+    k_slots = data.draw(st.integers(1, 8), label="K")
+    hkv = data.draw(st.integers(1, 3), label="Hkv")
+    cap = data.draw(st.integers(1, k_slots), label="cap")
+    head_map = torch.full((k_slots, hkv), -1, dtype=torch.long)
+    last_used = torch.zeros((k_slots, hkv), dtype=torch.long)
+    n_blocks, seeded = 0, False
+    for step in range(1, data.draw(st.integers(1, 25), label="steps") + 1):
+        if data.draw(st.booleans(), label="fill"):  # a block fills and enters every head
+            insert_block(head_map, last_used, n_blocks, step)
+            n_blocks += 1
+        if n_blocks == 0:
+            continue
+        k = min(k_slots, n_blocks)
+        predicted = torch.stack([torch.tensor(data.draw(st.permutations(range(n_blocks)),
+                                                        label=f"rank{g}")[:k])
+                                 for g in range(hkv)])
+        before = head_map.clone()
+        sel = select_capped_lru(head_map, last_used, predicted, cap if seeded else None, step)
+        seeded = seeded or n_blocks > k_slots
+        for g in range(hkv):
+            held = head_map[:, g][head_map[:, g] >= 0].tolist()
+            assert len(held) == len(set(held)) == min(k_slots, n_blocks)  # exactly min(K, n)
+            assert all(0 <= b < n_blocks for b in held)
+            admitted = int((sel.heads == g).sum())
+            if cap is not None and before[:, g].ge(0).sum() == k_slots and seeded:
+                assert admitted <= cap
+            # hits stay; admissions are the best-ranked misses
+            hits = set(before[:, g].tolist()) & set(predicted[g].tolist())
+            assert hits <= set(held)
+            misses = [b for b in predicted[g].tolist() if b not in before[:, g].tolist()]
+            assert sel.blocks[sel.heads == g].tolist() == misses[:admitted]
+        assert len(sel.slots) == len(sel.heads) == len(sel.blocks)
+
+
+# ---------------------------------------------------------------- engine: sparse vs dense
+
+
+def run(llm, prompts, params):
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def capture_logits(monkeypatch):
+    """Records each request's sampled logits rows, through the engine's sampler call."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    real = engine_mod.sample
+
+    def spy(logits, params, generators):
+        spy.rows.append(logits.clone())
+        return real(logits, params, generators)
+
+    spy.rows = []
+    monkeypatch.setattr(engine_mod, "sample", spy)
+    return spy, seen
+
+
+def prompts_of(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_sparse_with_k_covering_all_blocks_equals_dense(tiny_llama, monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=48, max_num_seqs=4)
+    dense = LLM(str(tiny_llama), **kw)
+    prompts = prompts_of([5, 30, 47, 90], dense.engine.model_config.vocab_size)
+    spy, _ = capture_logits(monkeypatch)
+    ref = run(dense, prompts, params)
+    ref_rows = spy.rows
+    spy.rows = []
+    sparse = LLM(str(tiny_llama), kv_mode="sparse", top_k=16, **kw)  # 16*16 > 90+40 tokens
+    got = run(sparse, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert len(spy.rows) == len(ref_rows)
+    for a, b in zip(spy.rows, ref_rows, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    stats = sparse.stats()
+    assert stats["sparse_wanted"] == stats["sparse_admitted"] > 0  # never capped
+    assert stats["sparse_hits"] > 0
+
+
+def check_working_sets(engine):
+    """Every running sparse request: each (slot, head) of its slab holds exactly the host
+    block its head map names; each head holds min(K, complete blocks) distinct blocks."""
+    sp, B, K = engine.sparse, engine.pool.block_size, engine.config.cache.top_k
+    for seq in engine.scheduler.running:
+        ws = seq.working_set
+        if ws is None:
+            continue
+        n_full = seq.num_computed_tokens // B
+        for layer in range(ws.head_map.shape[0]):
+            for g in range(ws.head_map.shape[2]):
+                held = [b for b in ws.head_map[layer, :, g].tolist() if b >= 0]
+                assert len(held) == len(set(held)) == min(K, n_full)
+                for s, b in enumerate(ws.head_map[layer, :, g].tolist()):
+                    if b < 0:
+                        continue
+                    dev = seq.block_table[s] * B
+                    host = seq.host_table[b] * B
+                    assert torch.equal(sp.device_kv[layer, :, g, dev:dev + B],
+                                       sp.host_kv[layer, :, g, host:host + B])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(lengths=st.lists(st.integers(1, 70), min_size=1, max_size=4),
+       top_k=st.integers(1, 4), f_hbm=st.sampled_from([0.25, 0.5, 1.0]),
+       max_tokens=st.integers(1, 40), seqs=st.integers(1, 3))
+def test_working_set_invariants_under_random_schedules(tiny_llama, lengths, top_k, f_hbm,
+                                                       max_tokens, seqs):
+    llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=top_k, f_hbm=f_hbm,
+              max_num_batched_tokens=32, max_num_seqs=seqs)
+    e = llm.engine
+    cap = math.ceil(f_hbm * top_k)
+    cfg = e.model_config
+    head_block_bytes = 2 * 16 * cfg.head_dim * 4
+    fill_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * 16 * cfg.head_dim * 4
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for p in prompts_of(lengths, cfg.vocab_size, seed=sum(lengths)):
+        e.add_request(p, params)
+    token_bytes = fill_bytes // 16
+    while e.has_unfinished():
+        before = {id(s): (s.num_computed_tokens, s.working_set is None,
+                          s.working_set is not None and all(s.working_set.seeded))
+                  for s in list(e.scheduler.running) + list(e.scheduler.waiting)}
+        seqs = list(e.scheduler.running) + list(e.scheduler.waiting)
+        e.step()
+        step = e.sparse.last_step
+        check_working_sets(e)
+        # in sparse mode every 1-token step is a decode over the working set
+        decodes = [(s, *before[id(s)]) for s in seqs
+                   if s.num_computed_tokens == before[id(s)][0] + 1]
+        # hand-computed bytes: each admission moves one head's K+V slice of one block; a first
+        # decode loads the active block's tokens; each filled block goes to the host whole
+        first_loads = sum(pos % 16 for _, pos, fresh, _ in decodes if fresh)
+        assert step.h2d_bytes == step.admitted * head_block_bytes + first_loads * token_bytes
+        assert step.d2h_bytes == sum((pos + 1) % 16 == 0 for _, pos, _, _ in decodes) * fill_bytes
+        seeded = [d for d in decodes if d[3]]
+        if seeded and len(seeded) == len(decodes):
+            assert step.admitted <= cap * cfg.num_kv_heads * cfg.num_layers * len(seeded)
+
+
+def test_small_budgets_make_requests_wait_and_lose_nothing(tiny_llama):
+    """Sparse requests reserve their host history and one slab at admission: with budgets for
+    one request at a time, the others wait (no preemption, which would recompute and lose the
+    working-set history) and every output equals the large-budget run."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = prompts_of([60, 45, 70], 300, seed=3)
+    big = LLM(str(tiny_llama), kv_mode="sparse", top_k=2, max_num_batched_tokens=32)
+    want = run(big, prompts, params)
+    per_block = big.engine.bytes_per_block
+    # host: 100 tokens = 7 blocks per request -> one at a time; device: one slab (3 blocks)
+    # plus the summaries of 8 host blocks (1/16 of their bytes)
+    small = LLM(str(tiny_llama), kv_mode="sparse", top_k=2, max_num_batched_tokens=32,
+                host_kv_budget=8 * per_block, device_kv_budget=3 * per_block + per_block // 2)
+    peak_running = 0
+    e = small.engine
+    ids = [e.add_request(p, params) for p in prompts]
+    outs = {}
+    while e.has_unfinished():
+        for o in e.step():
+            outs[o.request_id] = o
+        peak_running = max(peak_running, len(e.scheduler.running))
+    assert [outs[i].token_ids for i in ids] == [o.token_ids for o in want]
+    assert peak_running == 1 and small.stats()["preemptions"] == 0
+
+
+def test_dense_small_device_budget_preempts_and_loses_nothing(tiny_llama):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = prompts_of([60, 45, 70], 300, seed=3)
+    want = run(LLM(str(tiny_llama)), prompts, params)
+    per_block = LLM(str(tiny_llama)).engine.bytes_per_block
+    small = LLM(str(tiny_llama), device_kv_budget=12 * per_block, max_num_batched_tokens=32)
+    assert [o.token_ids for o in run(small, prompts, params)] == [o.token_ids for o in want]
+    assert small.stats()["preemptions"] > 0
