@@ -62,7 +62,7 @@ class ModelRunner:
             if self.sparse is None:  # dense: the device pool holds every block
                 pool, slots = "device", self._token_slots(seq.block_table, start, end)
                 attn = self._view(seq.block_table, row, n, end, pool)
-            elif n == 1:  # sparse decode: the token goes to the active slot of the slab
+            elif n == 1 and end == seq.num_tokens:  # sparse decode: into the slab's active slot
                 k = len(seq.block_table) - 1
                 pool = "device"
                 slots = torch.tensor([seq.block_table[k] * self.block_size
