@@ -58,19 +58,50 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         out = llm.generate(prompt, params)[0]
     stats = llm.stats()
-    m = out.metrics
+    steps = list(llm.engine.step_log)
     print(out.text)
-    tpot = f"{m.tpot * 1e3:.1f} ms" if m.tpot is not None else "n/a"
-    summary = (f"[oasiskv] prompt {m.num_prompt_tokens} tok | generated {m.num_generated_tokens} "
-               f"tok ({out.finish_reason}) | TTFT {m.ttft:.2f} s | TPOT {tpot} | KV held "
-               f"{stats['kv_peak_bytes'] / 2**20:.1f} MiB peak in {stats['kv_peak_blocks']} "
-               f"blocks of {llm.engine.pool.block_size} tokens")
-    print(summary, file=sys.stderr)
+    if args.step_stats:
+        print(step_table(steps), file=sys.stderr)
+    print(summary(out, stats, steps), file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps({"text": out.text, "token_ids": out.token_ids,
-                                               "finish_reason": out.finish_reason,
-                                               "metrics": m.as_dict(), "stats": stats}, indent=2))
+        Path(args.json).write_text(json.dumps(
+            {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+             "metrics": out.metrics.as_dict(), "stats": stats, "steps": steps}, indent=2))
     return 0 if out.finish_reason != "error" else 1
+
+
+_MiB = 2**20
+_STEP_COLUMNS = ("predicted", "hits", "wanted", "admitted", "h2d_bytes", "d2h_bytes")
+
+
+def summary(out, stats: dict, steps: list[dict]) -> str:
+    """The one-line report of `generate` (two lines for sparse runs)."""
+    m = out.metrics
+    tpot = f"{m.tpot * 1e3:.1f} ms" if m.tpot is not None else "n/a"
+    line = (f"[oasiskv] prompt {m.num_prompt_tokens} tok | generated {m.num_generated_tokens} "
+            f"tok ({out.finish_reason}) | TTFT {m.ttft:.2f} s | TPOT {tpot} | device KV "
+            f"{stats['kv_peak_bytes'] / _MiB:.1f} MiB peak ({stats['kv_peak_blocks']} blocks)")
+    if "sparse_predicted" not in stats:
+        return line
+    decodes = [s for s in steps if s["decode_tokens"]]
+    mean = {k: sum(s[k] for s in decodes) / max(len(decodes), 1) for k in _STEP_COLUMNS}
+    line += (f", of which a {stats['slab_bytes'] / _MiB:.1f} MiB working-set slab per request "
+             f"| host KV {stats['host_peak_bytes'] / _MiB:.1f} MiB peak")
+    return line + (
+        f"\n[oasiskv] sparse, per decode step (mean of {len(decodes)}): predicted "
+        f"{mean['predicted']:.0f} block-heads, hits {mean['hits']:.0f}, wanted "
+        f"{mean['wanted']:.1f}, admitted {mean['admitted']:.1f} | host->device "
+        f"{mean['h2d_bytes'] / 1024:.1f} KiB, device->host {mean['d2h_bytes'] / 1024:.1f} KiB")
+
+
+def step_table(steps: list[dict]) -> str:
+    from oasiskv.bench.common import markdown_table
+
+    cols = [("step", "step"), ("seqs", "seqs"), ("prefill_tokens", "prefill tok"),
+            ("decode_tokens", "decode tok"), ("time_s", "time s")]
+    if steps and "predicted" in steps[0]:
+        cols += [(k, k.replace("_", " ")) for k in _STEP_COLUMNS]
+    return markdown_table(steps, cols)
 
 
 def _cmd_bench_decode(args: argparse.Namespace) -> int:
@@ -98,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--json", help="write the output and figures to this file")
+    gen.add_argument("--json", help="write the output, figures and per-step log to this file")
+    gen.add_argument("--step-stats", action="store_true",
+                     help="print a table of every step (tokens, time; sparse: blocks, bytes)")
     add_engine_flags(gen)
     gen.set_defaults(func=_cmd_generate)
 

@@ -123,15 +123,14 @@ def test_generate_end_to_end(tiny_llama, tmp_path, capsys):
     assert len(lines) == 1, captured.err
     summary = re.search(
         r"prompt (\d+) tok \| generated (\d+) tok \(length\) \| TTFT ([\d.]+) s \| "
-        r"TPOT ([\d.]+) ms \| KV held ([\d.]+) MiB peak in (\d+) blocks of (\d+) tokens",
-        lines[0])
+        r"TPOT ([\d.]+) ms \| device KV ([\d.]+) MiB peak \((\d+) blocks\)", lines[0])
     assert summary, lines[0]
-    prompt_n, gen_n, ttft, tpot, mib, blocks, block_size = summary.groups()
+    prompt_n, gen_n, ttft, tpot, mib, blocks = summary.groups()
     assert int(prompt_n) == len(ids) and int(gen_n) == 5
     assert float(ttft) == pytest.approx(m["ttft_s"], abs=0.006)
     assert float(tpot) == pytest.approx(m["tpot_s"] * 1e3, abs=0.06)
     assert float(mib) == pytest.approx(s["kv_peak_bytes"] / 2**20, abs=0.06)
-    assert int(blocks) == s["kv_peak_blocks"] and int(block_size) == 16
+    assert int(blocks) == s["kv_peak_blocks"]
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -153,3 +152,30 @@ def test_bad_flag_value_is_a_usage_error(capsys):
         main(["generate", "--prompt", "x", "--max-num-seqs", "many"])
     assert exit_.value.code == 2
     assert "--max-num-seqs" in capsys.readouterr().err
+
+
+def test_generate_sparse_prints_per_step_figures(tiny_llama, tmp_path, capsys):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(PROMPT * 3)
+    out_json = tmp_path / "out.json"
+    rc = main(["generate", "--model", str(tiny_llama), "--prompt-file", str(prompt),
+               "--max-tokens", "20", "--ignore-eos", "--kv-mode", "sparse", "--top-k", "2",
+               "--f-hbm", "0.5", "--step-stats", "--json", str(out_json)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    data = json.loads(out_json.read_text())
+    decodes = [s for s in data["steps"] if s["decode_tokens"]]
+    assert len(decodes) == 19  # the first token comes from the prefill step
+    line = next(ln for ln in err.splitlines() if "per decode step" in ln)
+    figures = re.search(r"predicted (\d+) block-heads, hits (\d+), wanted ([\d.]+), admitted "
+                        r"([\d.]+) \| host->device ([\d.]+) KiB, device->host ([\d.]+) KiB", line)
+    assert figures, line
+    for value, key in zip(figures.groups(), ("predicted", "hits", "wanted", "admitted",
+                                             "h2d_bytes", "d2h_bytes"), strict=True):
+        mean = sum(s[key] for s in decodes) / len(decodes)
+        scale = 1024 if key.endswith("bytes") else 1
+        assert float(value) == pytest.approx(mean / scale, abs=0.51)
+    s = data["stats"]
+    assert s["sparse_admitted"] <= s["sparse_wanted"] and s["sparse_hits"] > 0
+    assert s["slab_bytes"] == 3 * s["kv_bytes_per_block"]
+    assert "| step | seqs |" in err  # the --step-stats table

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -59,37 +60,30 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
                          "requests_finished": 0, "requests_failed": 0, "step_failures": 0}
+        self.step_log: deque[dict] = deque(maxlen=100_000)  # per-step figures, newest last
         # Called with (batch) after each successful forward; tests use it to inject faults.
         self.step_hooks: list[Callable[[ScheduledBatch], None]] = []
 
     def _build_kv(self, cache: CacheConfig, mc: ModelConfig, dtype: torch.dtype) -> None:
-        """Device pool (dense blocks or sparse slabs), and in sparse mode the host tier and the
-        block summaries. The summaries live on the device and are paid from its budget."""
+        """Device pool (dense blocks, or sparse slabs and summaries), and in sparse mode the
+        host tier. Summaries are stored by host block but paid in device blocks per request."""
         block = cache.block_size
         self.bytes_per_block = mc.kv_bytes_per_token(dtype) * block
-        device_bytes = cache.device_kv_budget
-        host_blocks = summary_bytes = 0
-        if cache.kv_mode == "sparse":
-            if self.device.type != "cpu":
-                raise ValueError("kv_mode=sparse runs on the CPU for now: its prefill reads the "
-                                 "host tier in place (the GPU path needs the prefetch executor)")
-            host_blocks = cache.host_kv_budget // self.bytes_per_block
-            summary_bytes = host_blocks * self.bytes_per_block // block  # kmin+kmax: 2 of 2B rows
-            device_bytes -= summary_bytes
-        num_blocks = max(device_bytes, 0) // self.bytes_per_block
+        if cache.kv_mode == "sparse" and self.device.type != "cpu":
+            raise ValueError("kv_mode=sparse runs on the CPU for now: its prefill reads the "
+                             "host tier in place (the GPU path needs the prefetch executor)")
+        num_blocks = cache.device_kv_budget // self.bytes_per_block
         if num_blocks == 0:
             raise ValueError(f"device_kv_budget {cache.device_kv_budget} B leaves no room for "
-                             f"one KV block ({self.bytes_per_block} B)"
-                             + (f" after {summary_bytes} B of block summaries for the host "
-                                f"tier's {host_blocks} blocks" if summary_bytes else ""))
+                             f"one KV block ({self.bytes_per_block} B)")
         device_kv = allocate_kv(mc, num_blocks, block, dtype, self.device)
         self.pool = BlockPool(num_blocks, block)
-        self.summary_bytes = summary_bytes
         if cache.kv_mode == "dense":
             self.kv = KVAllocator(self.pool)
             self.sparse = None
             self.runner = ModelRunner(self.model, device_kv, block)
         else:
+            host_blocks = cache.host_kv_budget // self.bytes_per_block
             if host_blocks == 0:
                 raise ValueError(f"host_kv_budget {cache.host_kv_budget} B is smaller than one "
                                  f"KV block ({self.bytes_per_block} B)")
@@ -178,11 +172,18 @@ class LLMEngine:
             return self._on_step_failure(batch, e)
         self.counters["steps"] += 1
         done = time.perf_counter()
+        entry = {"step": self.counters["steps"], "seqs": len(batch), "prefill_tokens": 0,
+                 "decode_tokens": 0, "time_s": done - now}
         for seq, n in batch:
             seq.suspect = False
             decode = n == 1 and seq.num_output_tokens > 0 and not seq.in_prefill
-            self.counters["decode_tokens" if decode else "prefill_tokens"] += n
+            entry["decode_tokens" if decode else "prefill_tokens"] += n
             seq.num_computed_tokens += n
+        for key in ("prefill_tokens", "decode_tokens"):
+            self.counters[key] += entry[key]
+        if self.sparse is not None:
+            entry.update(vars(self.sparse.last_step))
+        self.step_log.append(entry)
         outputs = []
         for seq, token in zip(seqs, tokens, strict=True):
             if isinstance(token, Exception):
@@ -277,7 +278,7 @@ class LLMEngine:
             sparse.update(host_blocks_used=self.host_pool.num_used,
                           host_blocks_total=self.host_pool.num_blocks,
                           host_bytes_held=self.host_pool.num_used * self.bytes_per_block,
-                          summary_bytes=self.summary_bytes,
+                          host_peak_bytes=self.host_pool.peak_used * self.bytes_per_block,
                           slab_bytes=(self.config.cache.top_k + 1) * self.bytes_per_block)
         return {**self.counters, **sparse,
                 "preemptions": self.scheduler.num_preemptions,

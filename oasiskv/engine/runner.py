@@ -63,11 +63,11 @@ class ModelRunner:
                 pool, slots = "device", self._token_slots(seq.block_table, start, end)
                 attn = self._view(seq.block_table, row, n, end, pool)
             elif n == 1 and end == seq.num_tokens:  # sparse decode: into the slab's active slot
-                k = len(seq.block_table) - 1
+                k = self.sparse.cfg.top_k
+                slab = seq.block_table[:k + 1]
                 pool = "device"
-                slots = torch.tensor([seq.block_table[k] * self.block_size
-                                      + start % self.block_size])
-                attn = self._view(seq.block_table, row, n, (k + 1) * self.block_size, pool)
+                slots = torch.tensor([slab[k] * self.block_size + start % self.block_size])
+                attn = self._view(slab, row, n, (k + 1) * self.block_size, pool)
                 decodes.append((seq, attn))
             else:  # sparse prefill: K/V go to the host tier, attention reads it there
                 pool, slots = "host", self._token_slots(seq.host_table, start, end)

@@ -77,10 +77,11 @@ class KVAllocator:
     """How many blocks of each tier a request holds for a number of tokens.
 
     dense: every block on the device, allocated as the request grows (a request that cannot
-    grow preempts another). sparse: a fixed slab of K+1 device blocks (the working set) and
-    host blocks for the request's whole possible history, reserved at admission, so a running
-    sparse request never needs more memory and is never preempted: recomputing it would lose
-    its working-set history and change its output.
+    grow preempts another). sparse: on the device a slab of K+1 blocks (the working set, first
+    in the block table) plus room for the summaries of its history (a block's kmin/kmax are 2
+    of its 2B rows, so B summaries per device block); in the host tier its whole possible
+    history. Both are reserved at admission, so a running sparse request never needs more
+    memory and is never preempted: recomputing it would lose its working-set history.
     """
 
     def __init__(self, device: BlockPool, host: BlockPool | None = None,
@@ -95,8 +96,13 @@ class KVAllocator:
         """Additional (device, host) blocks for `seq` to hold `num_tokens` tokens."""
         if not self.sparse:
             return self.device.blocks_for(num_tokens) - len(seq.block_table), 0
-        return (self.slab_blocks - len(seq.block_table),
-                self.host.blocks_for(max(num_tokens, seq.max_context)) - len(seq.host_table))
+        tokens = max(num_tokens, seq.max_context)
+        return (self.device_blocks_for(tokens) - len(seq.block_table),
+                self.host.blocks_for(tokens) - len(seq.host_table))
+
+    def device_blocks_for(self, num_tokens: int) -> int:
+        """sparse: slab + summaries of the blocks of `num_tokens` tokens."""
+        return self.slab_blocks + -(-self.host.blocks_for(num_tokens) // self.device.block_size)
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         dev, host = self.needs(seq, num_tokens)
@@ -106,8 +112,9 @@ class KVAllocator:
         if not self.sparse:
             self.device.grow(seq.block_table, num_tokens)
             return
-        self.device.grow(seq.block_table, self.slab_blocks * self.device.block_size)
-        self.host.grow(seq.host_table, max(num_tokens, seq.max_context))
+        tokens = max(num_tokens, seq.max_context)
+        self.device.grow(seq.block_table, self.device_blocks_for(tokens) * self.device.block_size)
+        self.host.grow(seq.host_table, tokens)
 
     def free(self, seq: Sequence) -> None:
         self.device.free(seq.block_table)
@@ -122,9 +129,11 @@ class KVAllocator:
             return None if need <= have else (
                 f"request needs up to {num_tokens} tokens of KV, the device KV budget holds "
                 f"{have * self.device.block_size}; raise device_kv_budget or lower max_tokens")
-        if self.slab_blocks > self.device.num_blocks:
-            return (f"a sparse working set needs {self.slab_blocks} device blocks (top_k + 1), "
-                    f"the device KV budget holds {self.device.num_blocks}")
+        need = self.device_blocks_for(num_tokens)
+        if need > self.device.num_blocks:
+            return (f"a sparse request of up to {num_tokens} tokens needs {need} device blocks "
+                    f"(top_k + 1 for its working set, the rest for its block summaries), the "
+                    f"device KV budget holds {self.device.num_blocks}")
         need, have = self.host.blocks_for(num_tokens), self.host.num_blocks
         return None if need <= have else (
             f"request needs up to {num_tokens} tokens of KV, the host KV budget holds "

@@ -77,7 +77,7 @@ class SparseKV:
         self._decodes = []
         for seq, attn in decodes:
             pos = seq.num_computed_tokens
-            slab = torch.tensor(seq.block_table, dtype=torch.long) * B
+            slab = torch.tensor(seq.block_table[:K + 1], dtype=torch.long) * B
             d = _Decode(seq, attn, pos, torch.tensor(seq.host_table[:pos // B], dtype=torch.long),
                         slab)
             if seq.working_set is None:

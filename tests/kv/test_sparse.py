@@ -216,10 +216,10 @@ def test_small_budgets_make_requests_wait_and_lose_nothing(tiny_llama):
     big = LLM(str(tiny_llama), kv_mode="sparse", top_k=2, max_num_batched_tokens=32)
     want = run(big, prompts, params)
     per_block = big.engine.bytes_per_block
-    # host: 100 tokens = 7 blocks per request -> one at a time; device: one slab (3 blocks)
-    # plus the summaries of 8 host blocks (1/16 of their bytes)
+    # host: up to 100 tokens = 7 blocks per request -> one at a time; device: one slab (3
+    # blocks) plus one block for the summaries of up to 16 blocks -> one at a time
     small = LLM(str(tiny_llama), kv_mode="sparse", top_k=2, max_num_batched_tokens=32,
-                host_kv_budget=8 * per_block, device_kv_budget=3 * per_block + per_block // 2)
+                host_kv_budget=8 * per_block, device_kv_budget=7 * per_block)
     peak_running = 0
     e = small.engine
     ids = [e.add_request(p, params) for p in prompts]
