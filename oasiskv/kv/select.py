@@ -51,33 +51,26 @@ def select_capped_lru(head_map: torch.Tensor, last_used: torch.Tensor, predicted
     """Updates head_map / last_used ([K, Hkv], -1 = empty slot) in place for `predicted`
     ([Hkv, k], best first). Hits are marked used; up to `cap` misses per head (all when cap is
     None: seeding) enter, best first, each replacing an empty slot or else the least recently
-    selected block outside the predicted set. Misses beyond the cap stay out this step."""
-    slots, heads, blocks = [], [], []
-    hits = wanted = 0
-    for g in range(head_map.shape[1]):
-        resident, pred = head_map[:, g], predicted[g]
-        is_hit = torch.isin(resident, pred)  # [K] slot holds a predicted block
-        last_used[is_hit, g] = step
-        misses = pred[~torch.isin(pred, resident)]  # best first
-        n_admit = len(misses) if cap is None else min(len(misses), cap)
-        hits += int(is_hit.sum())
-        wanted += len(misses)
-        if n_admit == 0:
-            continue
-        # Victims: empty slots first, then the least recently selected non-predicted blocks.
-        age = torch.where(resident < 0, torch.full_like(last_used[:, g], -1), last_used[:, g])
-        age = age.masked_fill(is_hit, torch.iinfo(age.dtype).max)
-        victims = torch.argsort(age, stable=True)[:n_admit]
-        head_map[victims, g] = misses[:n_admit]
-        last_used[victims, g] = step
-        slots.append(victims)
-        heads.append(torch.full_like(victims, g))
-        blocks.append(misses[:n_admit])
-    return Selection(_cat(slots), _cat(heads), _cat(blocks), predicted.numel(), hits, wanted)
-
-
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+    selected block outside the predicted set. Misses beyond the cap stay out this step.
+    All heads at once: a few small tensor ops instead of a loop over heads."""
+    same = head_map.T[:, :, None] == predicted[:, None, :]  # [Hkv, K, k]
+    is_hit = same.any(dim=2)  # [Hkv, K] slot holds a predicted block
+    is_miss = ~same.any(dim=1)  # [Hkv, k] predicted block not resident
+    last_used.T[is_hit] = step
+    miss_rank = torch.cumsum(is_miss, dim=1) - 1  # order of each miss within its head
+    admit = is_miss & (miss_rank < (cap if cap is not None else predicted.shape[1]))
+    # Victims: empty slots first, then the least recently selected non-predicted blocks; each
+    # head has at least as many as misses (K - hits >= k - hits).
+    age = torch.where(head_map.T < 0, -1, last_used.T).masked_fill(is_hit, torch.iinfo(
+        last_used.dtype).max)  # [Hkv, K]
+    victims = torch.argsort(age, dim=1, stable=True)  # [Hkv, K]
+    heads, cols = admit.nonzero(as_tuple=True)  # by head, then score order
+    slots = victims[heads, miss_rank[heads, cols]]
+    blocks = predicted[heads, cols]
+    head_map[slots, heads] = blocks
+    last_used[slots, heads] = step
+    return Selection(slots, heads, blocks, predicted.numel(), int(is_hit.sum()),
+                     int(is_miss.sum()))
 
 
 def insert_block(head_map: torch.Tensor, last_used: torch.Tensor, block: int,
