@@ -103,7 +103,8 @@ def _field(default: Any, help: str, **kw: Any) -> Any:
 
 
 KV_MODES = ("dense", "sparse")
-PREDICTORS = ("exact",)
+PREDICTORS = ("lookahead", "previous", "exact")
+DRAFTERS = ("self", "ngram", "resync")
 
 
 @dataclass
@@ -119,7 +120,12 @@ class CacheConfig:
         0.05, "sparse: at most ceil(f_hbm*top_k) new blocks admitted per head, layer and step")
     host_kv_budget: int | str = _field(
         "8GiB", "sparse: bytes of host memory for the complete KV history of running requests")
-    predictor: str = _field("exact", f"sparse: which query picks the blocks: {PREDICTORS}")
+    predictor: str = _field(
+        "lookahead", "sparse: which query picks the blocks: lookahead (the draft token's, for "
+        "the next step), previous (this step's, for the next), exact (this step's, for this "
+        "step: on the critical path)")
+    drafter: str = _field("self", f"lookahead: where draft tokens come from: {DRAFTERS}")
+    num_drafts: int = _field(1, "lookahead: drafts per request; their queries are averaged")
     score_alpha: float = _field(
         1.0, "sparse: block score q.c + alpha*|q|.r over the min/max key summary (1 = Quest)")
 
@@ -136,6 +142,10 @@ class CacheConfig:
             raise ValueError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
         if self.predictor not in PREDICTORS:
             raise ValueError(f"predictor must be one of {PREDICTORS}, got {self.predictor!r}")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if self.num_drafts <= 0:
+            raise ValueError(f"num_drafts must be positive, got {self.num_drafts}")
         if self.top_k <= 0:
             raise ValueError(f"top_k must be a positive number of blocks, got {self.top_k}")
         if not 0 < self.f_hbm <= 1:

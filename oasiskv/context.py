@@ -25,6 +25,11 @@ class SeqAttention:
     kv_slots: torch.Tensor | None  # [kv_len] token slots otherwise (gather path)
     pool: str = "device"  # "device" or "host" (sparse prefill reads the host tier)
     kv_valid: torch.Tensor | None = None  # [Hkv, kv_len] sparse working set: which slots hold KV
+    # Draft tokens (decode only): rows of the batch whose queries ride along with the normal
+    # token. Each sees the KV the normal token sees (masked by draft_valid, default kv_valid)
+    # plus its own K/V, never written to the cache; the normal token never sees them.
+    draft_rows: list[int] = field(default_factory=list)
+    draft_valid: torch.Tensor | None = None  # [Hkv, kv_len]
 
     @property
     def num_queries(self) -> int:

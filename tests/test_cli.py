@@ -54,6 +54,8 @@ TYPED = [
     ("f_hbm", "0.1", 0.1),
     ("host_kv_budget", "2GiB", "2GiB"),
     ("predictor", "exact", "exact"),
+    ("drafter", "ngram", "ngram"),
+    ("num_drafts", "2", 2),
     ("score_alpha", "0.5", 0.5),
     ("max_num_seqs", "5", 5),
     ("max_num_batched_tokens", "256", 256),

@@ -50,6 +50,8 @@ FIELD_VALUES = {
     "f_hbm": (0.5, lambda e, _: e.config.cache.fetch_cap == 64),
     "host_kv_budget": ("1MiB", lambda e, _: e.config.cache.host_kv_budget == 2**20),
     "predictor": ("exact", lambda e, _: e.config.cache.predictor == "exact"),
+    "drafter": ("ngram", lambda e, _: e.config.cache.drafter == "ngram"),
+    "num_drafts": (2, lambda e, _: e.config.cache.num_drafts == 2),
     "score_alpha": (0.5, lambda e, _: e.config.cache.score_alpha == 0.5),
 }
 

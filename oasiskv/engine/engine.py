@@ -22,6 +22,7 @@ from oasiskv.models.loader import load_checkpoint
 from oasiskv.models.registry import resolve_model
 from oasiskv.outputs import RequestOutput
 from oasiskv.sampling_params import SamplingParams
+from oasiskv.spec.drafters import make_drafter
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self.requests: dict[str, Sequence] = {}
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
-                         "requests_finished": 0, "requests_failed": 0, "step_failures": 0}
+                         "requests_finished": 0, "requests_failed": 0, "step_failures": 0,
+                         "drafts": 0, "drafts_right": 0}
+        lookahead = config.cache.kv_mode == "sparse" and config.cache.predictor == "lookahead"
+        self.drafter = make_drafter(config.cache.drafter) if lookahead else None
         self.step_log: deque[dict] = deque(maxlen=100_000)  # per-step figures, newest last
         # Called with (batch) after each successful forward; tests use it to inject faults.
         self.step_hooks: list[Callable[[ScheduledBatch], None]] = []
@@ -162,7 +166,7 @@ class LLMEngine:
         samplers = [(seq, row) for (seq, n), row in zip(batch, self._last_rows(batch), strict=True)
                     if seq.num_computed_tokens + n == seq.num_tokens]
         try:
-            logits = self.runner.run(batch, [row for _, row in samplers])
+            logits, draft_logits = self.runner.run(batch, [row for _, row in samplers])
             for hook in self.step_hooks:
                 hook(batch)
             seqs = [seq for seq, _ in samplers]
@@ -185,6 +189,7 @@ class LLMEngine:
             entry.update(vars(self.sparse.last_step))
         self.step_log.append(entry)
         outputs = []
+        drafts = {id(seq): dl for (seq, _), dl in zip(batch, draft_logits, strict=True)}
         for seq, token in zip(seqs, tokens, strict=True):
             if isinstance(token, Exception):
                 log.error("request %s failed in sampling: %r", seq.request_id, token)
@@ -195,8 +200,20 @@ class LLMEngine:
             seq.metrics.num_generated_tokens = seq.num_output_tokens
             seq.metrics.first_token_time = seq.metrics.first_token_time or done
             self._check_stop(seq, token)
+            if self.drafter is not None and not seq.is_finished:
+                self._next_drafts(seq, drafts[id(seq)])
             outputs.append(self._output(seq))
         return outputs
+
+    def _next_drafts(self, seq: Sequence, draft_logits: torch.Tensor | None) -> None:
+        """Lookahead: the drafts that ride along with the token just sampled next step."""
+        prev = seq.draft_tokens[0] if seq.draft_tokens else None
+        if prev is not None and draft_logits is not None:
+            self.counters["drafts"] += 1
+            self.counters["drafts_right"] += prev == seq.token_ids[-1]
+        seq.draft_tokens = self.drafter.propose(
+            seq.token_ids, None if draft_logits is None else draft_logits[0], prev,
+            self.config.cache.num_drafts)
 
     @staticmethod
     def _last_rows(batch: ScheduledBatch) -> list[int]:

@@ -77,6 +77,13 @@ class ModelRunner:
             writes[pool][1].append(slots)
             ctx.seqs.append(attn)
             row += n
+        # Draft tokens ride along after the normal rows: position p+1, never written.
+        for (seq, n), attn in zip(batch, ctx.seqs, strict=True):
+            if seq.draft_tokens and n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens:
+                attn.draft_rows = list(range(row, row + len(seq.draft_tokens)))
+                ids += seq.draft_tokens
+                positions.append(torch.full((len(seq.draft_tokens),), seq.num_computed_tokens + 1))
+                row += len(seq.draft_tokens)
         ctx.writes = [KVWrite(pool, torch.cat(r).to(self.device), torch.cat(s).to(self.device))
                       for pool, (r, s) in writes.items()]
         if self.sparse is not None:
@@ -84,9 +91,11 @@ class ModelRunner:
         return (torch.tensor(ids, device=self.device), torch.cat(positions).to(self.device), ctx)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch,
+            sample_rows: list[int]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Computes K/V for the batch's new tokens; returns logits [S, V] at `sample_rows`
-        (last row of each sequence that samples this step)."""
+        (last row of each sequence that samples this step) and, per batch entry, the logits of
+        its draft rows [m, V] (None without drafts)."""
         input_ids, positions, ctx = self.prepare(batch)
         set_context(ctx)
         try:
@@ -99,4 +108,10 @@ class ModelRunner:
                     self.sparse.summarize_prefill(seq, seq.num_computed_tokens,
                                                   seq.num_computed_tokens + n, n)
             self.sparse.end_step()
-        return self.model.compute_logits(hidden[sample_rows]).float()
+        draft_rows = [row for attn in ctx.seqs for row in attn.draft_rows]
+        logits = self.model.compute_logits(hidden[sample_rows + draft_rows]).float()
+        drafts, at = [], len(sample_rows)
+        for attn in ctx.seqs:
+            drafts.append(logits[at:at + len(attn.draft_rows)] if attn.draft_rows else None)
+            at += len(attn.draft_rows)
+        return logits[:len(sample_rows)], drafts

@@ -65,6 +65,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # device blocks (sparse: the slab)
     host_table: list[int] = field(default_factory=list)  # sparse: host blocks of the history
     working_set: object | None = None  # sparse: kv.residency.WorkingSet once decoding
+    draft_tokens: list[int] = field(default_factory=list)  # guesses of the next token
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
     stop_reason: str | int | None = None

@@ -24,6 +24,7 @@ class WorkingSet:
     head_map: torch.Tensor  # [L, K, Hkv] logical block per (slot, head); -1 = empty
     last_used: torch.Tensor  # [L, K, Hkv] step at which the slot's block was last selected
     seeded: list[bool]  # per layer: the cap applies once a top-K set was chosen uncapped
+    primed: list[bool]  # per layer: the previous step already chose this step's blocks
 
 
 @dataclass
@@ -91,7 +92,8 @@ class SparseKV:
         L, _, hkv, _, _ = self.device_kv.shape
         K = self.cfg.top_k
         d.seq.working_set = WorkingSet(torch.full((L, K, hkv), -1, dtype=torch.long),
-                                       torch.zeros((L, K, hkv), dtype=torch.long), [False] * L)
+                                       torch.zeros((L, K, hkv), dtype=torch.long), [False] * L,
+                                       [False] * L)
         B = self.cfg.block_size
         filled = d.pos % B
         if filled:
@@ -150,33 +152,60 @@ class SparseKV:
             self.kmin[layer, host_ids] = kmin.to(self.kmin.dtype)
             self.kmax[layer, host_ids] = kmax.to(self.kmax.dtype)
 
-    # ---- per layer, on the critical path (exact predictor) ----------------------------------
+    # ---- per layer: selection and the attention masks ------------------------------------
 
     def prepare_layer(self, layer: int, q: torch.Tensor) -> None:
-        """Selects each sparse request's blocks for this layer with its step query q[row]
-        ([N, H, d]), fetches the admissions in one gather, and sets the attention masks."""
-        K, B = self.cfg.top_k, self.cfg.block_size
-        heads, dst, src = [], [], []
+        """Before layer `layer`'s attention. With the exact predictor (and on a request's first
+        decode step, when no earlier step chose its blocks) the step's own query q[row]
+        ([N, H, d]) selects on the critical path. Then sets each request's attention masks."""
+        B = self.cfg.block_size
+        picks = []
         for d in self._decodes:
             ws = d.seq.working_set
-            n_full = len(d.host_ids)
-            if n_full:
-                scores = block_scores(q[d.attn.q_start], self.kmin[layer, d.host_ids],
-                                      self.kmax[layer, d.host_ids], self.cfg.score_alpha)
-                cap = self.cfg.fetch_cap if ws.seeded[layer] else None
-                sel = select_capped_lru(ws.head_map[layer], ws.last_used[layer],
-                                        top_k_blocks(scores, K), cap, self.step)
-                ws.seeded[layer] = ws.seeded[layer] or n_full > K
-                c = self.last_step
-                c.predicted, c.hits = c.predicted + sel.predicted, c.hits + sel.hits
-                c.wanted, c.admitted = c.wanted + sel.wanted, c.admitted + len(sel.slots)
-                heads.append(sel.heads)
-                dst.append(d.slab_tokens[sel.slots])
-                src.append(d.host_ids[sel.blocks] * B)
-            resident = ws.head_map[layer] >= 0  # [K, Hkv]
+            if self.cfg.predictor == "exact" or not ws.primed[layer]:
+                picks.append((d, q[d.attn.q_start]))
+        self._select(layer, picks)
+        for d in self._decodes:
+            resident = d.seq.working_set.head_map[layer] >= 0  # [K, Hkv]
             active = torch.arange(B) <= d.pos % B
             d.attn.kv_valid = torch.cat([resident.T.repeat_interleave(B, dim=1),
                                          active.expand(resident.shape[1], B)], dim=1)
+
+    def after_attention(self, layer: int, q: torch.Tensor) -> None:
+        """After layer `layer`'s attention has read the slab: predict the next step's blocks
+        (lookahead: the drafts' averaged query; previous: this step's query) and fetch them
+        now, so the next step only attends."""
+        if self.cfg.predictor == "exact":
+            return
+        picks = []
+        for d in self._decodes:
+            rows = d.attn.draft_rows if self.cfg.predictor == "lookahead" else []
+            picks.append((d, q[rows].mean(0) if rows else q[d.attn.q_start]))
+            d.seq.working_set.primed[layer] = True
+        self._select(layer, picks)
+
+    def _select(self, layer: int, picks: list[tuple[_Decode, torch.Tensor]]) -> None:
+        """Scores each request's complete blocks with its query ([H, d]), picks each head's
+        top-K, applies the capped LRU, and fetches all admissions in one gather."""
+        K, B = self.cfg.top_k, self.cfg.block_size
+        heads, dst, src = [], [], []
+        for d, query in picks:
+            ws = d.seq.working_set
+            n_full = len(d.host_ids)
+            if n_full == 0:
+                continue
+            scores = block_scores(query, self.kmin[layer, d.host_ids],
+                                  self.kmax[layer, d.host_ids], self.cfg.score_alpha)
+            cap = self.cfg.fetch_cap if ws.seeded[layer] else None
+            sel = select_capped_lru(ws.head_map[layer], ws.last_used[layer],
+                                    top_k_blocks(scores, K), cap, self.step)
+            ws.seeded[layer] = ws.seeded[layer] or n_full > K
+            c = self.last_step
+            c.predicted, c.hits = c.predicted + sel.predicted, c.hits + sel.hits
+            c.wanted, c.admitted = c.wanted + sel.wanted, c.admitted + len(sel.slots)
+            heads.append(sel.heads)
+            dst.append(d.slab_tokens[sel.slots])
+            src.append(d.host_ids[sel.blocks] * B)
         if heads:
             self._local_fetch(layer, torch.cat(heads), torch.cat(dst), torch.cat(src))
 

@@ -37,7 +37,13 @@ class Attention(nn.Module):
                           device=q.device)
         for seq in ctx.seqs:
             rows = slice(seq.q_start, seq.q_end)
-            out[rows] = self._attend(q[rows], seq, k[rows], v[rows])
+            if seq.draft_rows:
+                both = [seq.q_start, *seq.draft_rows]
+                out[both] = self._attend_with_drafts(q[both], seq, k[both], v[both])
+            else:
+                out[rows] = self._attend(q[rows], seq, k[rows], v[rows])
+        if ctx.sparse is not None:
+            ctx.sparse.after_attention(self.layer_idx, q)
         return out
 
     def _kv(self, seq: SeqAttention, k_new: torch.Tensor,
@@ -49,6 +55,33 @@ class Attention(nn.Module):
             end = seq.kv_start + seq.kv_len
             return k_cache[:, seq.kv_start:end], v_cache[:, seq.kv_start:end]
         return k_cache[:, seq.kv_slots], v_cache[:, seq.kv_slots]
+
+    def _attend_with_drafts(self, q: torch.Tensor, seq: SeqAttention, k_new: torch.Tensor,
+                            v_new: torch.Tensor) -> torch.Tensor:
+        """One call for the normal token and its m drafts over the same KV: q/k_new/v_new hold
+        [normal, drafts...] rows -> [1+m, H*d]. Draft i also attends to its own K/V."""
+        k, v = self._kv(seq, k_new[:1], v_new[:1])  # [Hkv, T, d]
+        k_draft, v_draft = k_new[1:], v_new[1:]
+        m, g, hkv = len(seq.draft_rows), self.group, self.num_kv_heads
+        qg = q.view(1 + m, hkv, g, self.head_dim).transpose(0, 1)  # [Hkv, 1+m, G, d]
+        scores = torch.matmul(qg.reshape(hkv, (1 + m) * g, -1), k.transpose(1, 2))
+        scores = scores.view(hkv, 1 + m, g, -1) * self.scale  # [Hkv, 1+m, G, T]
+        if seq.kv_valid is not None:
+            scores[:, 0].masked_fill_(~seq.kv_valid[:, None, :], float("-inf"))
+        draft_valid = seq.draft_valid if seq.draft_valid is not None else seq.kv_valid
+        if draft_valid is not None:
+            scores[:, 1:].masked_fill_(~draft_valid[:, None, None, :], float("-inf"))
+        kd, vd = k_draft.transpose(0, 1), v_draft.transpose(0, 1)  # [Hkv, m, d]
+        own = torch.full((hkv, 1 + m, g, m), float("-inf"), dtype=scores.dtype,
+                         device=scores.device)
+        diag = torch.einsum("hmgd,hmd->hmg", qg[:, 1:], kd) * self.scale  # [Hkv, m, G]
+        idx = torch.arange(m, device=q.device)
+        own[:, 1 + idx, :, idx] = diag.permute(1, 0, 2)  # draft i sees only itself
+        probs = torch.softmax(torch.cat([scores, own], dim=-1).float(), dim=-1).to(q.dtype)
+        t = k.shape[1]
+        o = (torch.matmul(probs[..., :t].reshape(hkv, (1 + m) * g, t), v)
+             + torch.matmul(probs[..., t:].reshape(hkv, (1 + m) * g, m), vd))  # [Hkv, (1+m)G, d]
+        return o.view(hkv, 1 + m, g, -1).transpose(0, 1).reshape(1 + m, -1)
 
     def _attend(self, q: torch.Tensor, seq: SeqAttention, k_new: torch.Tensor,
                 v_new: torch.Tensor) -> torch.Tensor:

@@ -145,9 +145,9 @@ def test_chunked_prefill_equals_unchunked_and_transformers(model, hf):
         run = llm.engine.runner.run
 
         def capture(batch, rows, run=run, captured=captured):
-            logits = run(batch, rows)
+            logits, drafts = run(batch, rows)
             captured.append((len(rows), logits.clone()))
-            return logits
+            return logits, drafts
 
         llm.engine.runner.run = capture
         out = gen(llm, [prompt])[0]

@@ -1,0 +1,73 @@
+"""Drafters' unit behaviour, and drafts riding along in the engine."""
+
+import pytest
+import torch
+
+from oasiskv import LLM, SamplingParams
+from oasiskv.spec.drafters import NgramDrafter, ResyncDrafter, SelfDrafter, make_drafter
+
+
+def logits_favouring(*tokens, vocab=50):
+    out = torch.zeros(vocab)
+    for rank, t in enumerate(tokens):
+        out[t] = 10.0 - rank
+    return out
+
+
+def test_self_takes_the_draft_rows_argmax_and_top_n():
+    d = SelfDrafter()
+    assert d.propose([1, 2, 3], logits_favouring(7, 9), prev_draft=4) == [7]
+    assert d.propose([1, 2, 3], logits_favouring(7, 9), prev_draft=4, num=2) == [7, 9]
+
+
+def test_self_without_draft_logits_falls_back_to_lookup_then_repetition():
+    d = SelfDrafter()
+    assert d.propose([5, 6, 5], None, None) == [6]  # "5" was followed by 6
+    assert d.propose([5, 6, 7], None, None) == [7]  # nothing matches: repeat the newest
+
+
+def test_ngram_prefers_the_longest_latest_match():
+    tokens = [1, 2, 3, 9, 4, 2, 3, 8, 1, 2, 3]
+    # last 3 = (1, 2, 3): its earlier occurrence at 0 was followed by 9
+    assert NgramDrafter().propose(tokens, None, None) == [9]
+    # last 2 = (2, 3): latest earlier occurrence (at 5) was followed by 8
+    assert NgramDrafter(sizes=(2,)).propose(tokens, None, None) == [8]
+    # two guesses: the 3-gram's and then the 2-gram's
+    assert NgramDrafter().propose(tokens, None, None, num=2) == [9, 8]
+
+
+def test_ngram_falls_back_to_the_self_draft():
+    assert NgramDrafter().propose([1, 2, 3], logits_favouring(11), None) == [11]
+
+
+def test_resync_switches_to_lookup_after_a_miss():
+    d = ResyncDrafter()
+    tokens = [4, 5, 6, 4, 5]
+    right, wrong = 5, 7  # the previous draft vs the token that came
+    assert d.propose(tokens, logits_favouring(20), prev_draft=right) == [20]  # self chain
+    assert d.propose(tokens, logits_favouring(20), prev_draft=wrong) == [6]  # lookup: 4 5 -> 6
+
+
+def test_unknown_drafter_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown drafter 'eagle'"):
+        make_drafter("eagle")
+
+
+@pytest.mark.parametrize("predictor", ["lookahead", "previous", "exact"])
+@pytest.mark.parametrize("drafter, num", [("self", 1), ("ngram", 1), ("resync", 2)])
+def test_every_predictor_and_drafter_equals_dense_when_k_covers_all(tiny_llama, predictor,
+                                                                     drafter, num):
+    torch.set_num_threads(1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [list(range(3, 40)), list(range(50, 61)) * 3]
+    dense = LLM(str(tiny_llama)).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=8, predictor=predictor,
+              drafter=drafter, num_drafts=num)
+    sparse = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in sparse] == [o.token_ids for o in dense]
+    stats = llm.stats()
+    if predictor == "lookahead":  # every decode step after the first scored its draft
+        assert stats["drafts"] == sum(len(o.token_ids) - 2 for o in sparse)
+        assert 0 <= stats["drafts_right"] <= stats["drafts"]
+    else:
+        assert stats["drafts"] == 0
