@@ -111,6 +111,13 @@ def _cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval_recall(args: argparse.Namespace) -> int:
+    from oasiskv.eval.recall import run_recall_eval
+
+    run_recall_eval(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oasiskv", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -145,6 +152,31 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--json", help="write the figures to this file")
     add_engine_flags(dec)
     dec.set_defaults(func=_cmd_bench_decode)
+
+    evals = sub.add_parser("eval", help="measuring tools").add_subparsers(dest="eval",
+                                                                         required=True)
+    rec = evals.add_parser("recall", help="per-layer recall of next-step top-K block "
+                           "predictors (previous query, lookahead drafts) on dense decode")
+    rec.add_argument("--model", default="smollm2-135m",
+                     help="model alias, HF directory or .gguf file")
+    rec.add_argument("--context", type=int, default=7000, help="prompt length in tokens")
+    rec.add_argument("--prompts", type=int, default=3,
+                     help="how many of the 3 fixed Austen prompts to run")
+    rec.add_argument("--steps", type=int, default=48, help="scored step transitions")
+    rec.add_argument("--top-k", default="32,128", help="K values (blocks per KV head)")
+    rec.add_argument("--predictor", default="lookahead,previous",
+                     help="comma-separated: lookahead, previous")
+    rec.add_argument("--drafter", default="self,ngram,resync,oracle",
+                     help="lookahead drafters: self, ngram, resync, oracle (true next token)")
+    rec.add_argument("--draft-context", choices=("sparse", "dense"), default="sparse",
+                     help="what a draft attends to: the step's exact top-K + active block "
+                     "(sparse, the engine's working set) or everything (dense: upper bound)")
+    rec.add_argument("--block-size", type=int, default=16, help="tokens per block (B)")
+    rec.add_argument("--dtype", default="float32")
+    rec.add_argument("--num-threads", type=int, default=None)
+    rec.add_argument("--json", help="write the figures to this file")
+    rec.add_argument("--plot", help="write a per-layer recall plot (PNG) to this file")
+    rec.set_defaults(func=_cmd_eval_recall)
     return parser
 
 

@@ -1,0 +1,230 @@
+"""`oasiskv eval recall`: the draft rows see what they should, the normal token is untouched,
+the figures are the ones defined, the prompts start where they should, the CLI writes its
+files."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from oasiskv import LLM
+from oasiskv.cli import main
+from oasiskv.eval import recall as rc
+from oasiskv.eval.recall import (
+    RecallProbe,
+    RecallSpec,
+    Totals,
+    block_mass,
+    captured_mass,
+    churn,
+    decode_step,
+    paragraph_prompt,
+    paragraph_start,
+    prefill,
+    recall,
+    run_recall,
+    summarize_totals,
+)
+
+CONTEXT = 200  # 12 complete blocks of 16, the 13th partial
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), kv_mode="dense", device_kv_budget="4MiB")
+
+
+def prompt_ids(n: int = CONTEXT) -> list[int]:
+    return [(i * 7 + i // 5) % 300 + 3 for i in range(n)]
+
+
+def draft_queries_vs_next(result: dict, key: tuple[int, str]) -> float:
+    """Largest |q_draft(step t, layer l) - q_normal(step t+1, layer l)| over steps, layers."""
+    steps = result["prompts"][0]["steps"]
+    worst = 0.0
+    for now, nxt in zip(steps, steps[1:], strict=False):
+        row = now["rows"][key]
+        for q_now, q_next in zip(now["queries"], nxt["queries"], strict=True):
+            worst = max(worst, float((q_now[row] - q_next[0]).abs().max()))
+    return worst
+
+
+# ---- the must-show: an oracle draft's queries are the next step's queries ------------------
+
+def test_oracle_draft_queries_are_the_next_steps_when_k_covers_all_blocks(llm):
+    spec = RecallSpec([64], ["lookahead", "previous"], ["oracle", "self"], steps=5)
+    result = run_recall(llm, [{"ids": prompt_ids()}], spec, progress=False, record=True)
+    assert draft_queries_vs_next(result, (64, "oracle")) < 1e-4
+    rows = {(r["predictor"], r["drafter"]): r for r in result["rows"]}
+    assert rows[("lookahead", "oracle")]["recall"] == 1.0
+    assert rows[("lookahead", "oracle")]["draft_accuracy"] == 1.0
+    assert result["totals"].greedy_mismatches == 0
+    assert result["totals"].scored.tolist() == [5.0, 5.0]
+
+
+def test_oracle_over_the_whole_context_is_exact_for_small_k(llm):
+    """draft-context dense: the oracle's query is the next query, so its top-K is E_{t+1}."""
+    spec = RecallSpec([2, 4], ["lookahead"], ["oracle"], steps=5, draft_context="dense")
+    result = run_recall(llm, [{"ids": prompt_ids()}], spec, progress=False, record=True)
+    assert draft_queries_vs_next(result, (2, "oracle")) < 1e-4
+    for row in result["rows"]:
+        assert row["recall"] == 1.0, row
+
+
+def test_sparse_drafts_see_only_the_exact_set(llm):
+    """With K < blocks the oracle draft's layer-0 query (embedding + RoPE only) is the next
+    step's, its layer-1 query is not: layer 0's attention was masked to E_t + active block."""
+    spec = RecallSpec([2], ["lookahead"], ["oracle"], steps=3)
+    result = run_recall(llm, [{"ids": prompt_ids()}], spec, progress=False, record=True)
+    steps = result["prompts"][0]["steps"]
+    row = steps[0]["rows"][(2, "oracle")]
+    assert torch.allclose(steps[0]["queries"][0][row], steps[1]["queries"][0][0], atol=1e-5)
+    assert not torch.allclose(steps[0]["queries"][1][row], steps[1]["queries"][1][0],
+                              atol=1e-3)
+
+
+def test_draft_mask_is_exact_set_plus_active_block(llm):
+    seq = llm.engine.make_sequence(prompt_ids(40))
+    probe = RecallProbe(llm.engine.runner.model, llm.engine.runner.device_kv, seq, 16, [2],
+                        False, Totals(2))
+    probe.pos = 37  # x_t at 37: blocks 0, 1 complete, block 2 (32..37) active
+    mask = probe._draft_mask(torch.tensor([[1], [0]]))
+    assert mask.shape == (2, 38)
+    want = torch.zeros(2, 38, dtype=torch.bool)
+    want[0, 16:32] = want[1, 0:16] = True
+    want[:, 32:38] = True
+    assert torch.equal(mask, want)
+
+
+# ---- the normal token is not disturbed -----------------------------------------------------
+
+def test_normal_logits_do_not_change_with_draft_rows(llm):
+    engine = llm.engine
+    seq, _ = prefill(engine, prompt_ids(), 8)
+    try:
+        probe = RecallProbe(engine.runner.model, engine.runner.device_kv, seq, 16, [2, 4],
+                            True, Totals(2))
+        probe.prefill_summaries(seq.num_prompt_tokens)
+        drafts = {(2, "a"): 5, (2, "b"): 9, (4, "a"): 5, (4, "b"): 17}
+        with_drafts, draft_logits = decode_step(engine, seq, drafts, probe, True, False)
+        alone, none = decode_step(engine, seq, {}, None)
+        assert none == {} and set(draft_logits) == set(drafts)
+        torch.testing.assert_close(with_drafts, alone, atol=1e-5, rtol=1e-5)
+        # The same token through the engine's own dense step agrees too.
+        engine.step()
+        assert seq.token_ids[-1] == int(alone.argmax())
+    finally:
+        engine.abort(seq.request_id)
+
+
+# ---- the figures on hand-made sets -----------------------------------------------------------
+
+def test_recall_and_churn_on_hand_made_sets():
+    pred = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    exact = torch.tensor([[1, 2, 7], [5, 6, 7]])
+    assert recall(pred, exact).tolist() == pytest.approx([2 / 3, 1 / 3])
+    assert churn(exact, pred).tolist() == pytest.approx([1 / 3, 2 / 3])
+    assert churn(pred, pred).tolist() == [0.0, 0.0]
+
+
+def test_block_mass_and_captured_mass_on_hand_made_attention():
+    # 1 KV head, 2 query heads, d=1, B=2, scale 1. Head 0 has q=1 and keys (0, 0, ln2, ln4):
+    # probabilities 1/8, 1/8, 2/8, 4/8 -> blocks (1/4, 3/4). Head 1 has q=0: uniform (1/2, 1/2).
+    q = torch.tensor([[1.0], [0.0]])
+    keys = torch.tensor([[[0.0], [0.0], [math.log(2)], [math.log(4)]]])
+    mass = block_mass(q, keys, 1.0, 2)
+    torch.testing.assert_close(mass, torch.tensor([[0.25, 0.75], [0.5, 0.5]]))
+    assert captured_mass(mass, torch.tensor([[1]])).tolist() == pytest.approx([0.75, 0.5])
+    assert captured_mass(mass, torch.tensor([[0, 1]])).tolist() == pytest.approx([1.0, 1.0])
+
+
+def test_totals_average_per_layer_and_take_the_churn_percentile():
+    spec = RecallSpec([2], ["previous"], [], steps=2)
+    totals = Totals(2)
+    for step_recall in ((1.0, 0.5), (0.5, 0.0)):  # two scored steps
+        totals.scored += 1
+        for layer, r in enumerate(step_recall):
+            totals.add((2, "previous", ""), layer, r, r / 2)
+            totals.add((2, "exact", ""), layer, 1.0, 0.9)
+    totals.churn[2] = [torch.arange(10, dtype=torch.float64) / 10]
+    rows = {r["predictor"]: r for r in summarize_totals(totals, spec)}
+    prev = rows["previous"]
+    assert prev["per_layer_recall"] == [0.75, 0.25]
+    assert prev["recall"] == 0.5 and prev["recall_worst_layer"] == 0.25
+    assert prev["mass"] == pytest.approx(0.25)
+    assert rows["exact"]["churn"] == pytest.approx(0.45)
+    assert rows["exact"]["churn_p90"] == pytest.approx(0.81)
+
+
+# ---- prompts -------------------------------------------------------------------------------
+
+TEXT = "Title\nline two\n\nFirst para, line one\nline two.\n\n\nSecond para.\n\nThird one.\n"
+
+
+@pytest.mark.parametrize("offset, want", [
+    (0, 0),
+    (TEXT.index("First"), TEXT.index("First")),
+    (TEXT.index("First") - 1, TEXT.index("First")),  # on the blank line
+    (TEXT.index("First") + 1, TEXT.index("Second")),  # inside a paragraph: the next one
+    (TEXT.index("Second") - 2, TEXT.index("Second")),  # after two blank lines
+    (TEXT.index("Third"), TEXT.index("Third")),
+])
+def test_paragraph_start_is_at_or_after_the_offset(offset, want):
+    start = paragraph_start(TEXT, offset)
+    assert start == want and start >= offset
+    assert start == 0 or (TEXT[start - 2:start] == "\n\n" and TEXT[start] != "\n")
+
+
+def test_no_paragraph_after_the_offset_is_an_error():
+    with pytest.raises(ValueError, match="no paragraph"):
+        paragraph_start(TEXT, TEXT.index("Third") + 1)
+
+
+def test_paragraph_prompt_has_exactly_the_length_and_starts_the_paragraph(llm):
+    text = "\n\n".join(f"Paragraph {i}: a truth universally acknowledged." for i in range(300))
+    offset = 1000
+    start, ids = paragraph_prompt(llm.tokenizer, text, offset, 150)
+    assert start >= offset and text[start - 2:start] == "\n\n"
+    assert len(ids) == 150
+    assert llm.tokenizer.decode(ids).startswith(text[start:start + 20])
+    assert ids == llm.tokenizer.encode(text[start:], add_special_tokens=False)[:150]
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+def test_cli_end_to_end_writes_json_and_plot(tiny_llama, tmp_path, monkeypatch, capsys):
+    paragraphs = [f"Chapter {i}. It is a truth universally acknowledged, that a single man "
+                  f"in possession of a good fortune, must be in want of a wife.\nLine {i}."
+                  for i in range(3000)]
+    monkeypatch.setattr(rc, "austen_text", lambda novel: "\n\n".join(paragraphs))
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    rc_ = main(["eval", "recall", "--model", str(tiny_llama), "--context", "120", "--prompts",
+                "2", "--steps", "4", "--top-k", "2,4", "--predictor", "lookahead,previous",
+                "--drafter", "self,ngram,resync,oracle", "--json", str(out_json), "--plot",
+                str(out_png), "--num-threads", "1"])
+    out = capsys.readouterr()
+    assert rc_ == 0, out.err
+    data = json.loads(out_json.read_text())
+    assert data["eval"] == "recall" and data["steps"] == 4 and data["top_k"] == [2, 4]
+    assert [p["name"] for p in data["prompts"]] == ["prideprejudice", "emma"]
+    assert all(p["tokens"] == 120 and p["start"] >= p["offset"] for p in data["prompts"])
+    labels = [(r["top_k"], r["predictor"], r["drafter"]) for r in data["rows"]]
+    assert labels == [(k, p, d) for k in (2, 4) for p, d in
+                      [("exact", None), ("previous", None), ("lookahead", "self"),
+                       ("lookahead", "ngram"), ("lookahead", "resync"),
+                       ("lookahead", "oracle")]]
+    for row in data["rows"]:
+        assert 0 <= row["recall"] <= 1 and len(row["per_layer_recall"]) == 2
+        assert 0 <= row["mass"] <= 1 + 1e-6
+    assert all(r["draft_accuracy"] == 1.0 for r in data["rows"] if r["drafter"] == "oracle")
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| K | predictor | drafter | recall |" in out.out
