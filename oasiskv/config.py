@@ -124,8 +124,6 @@ class CacheConfig:
         "lookahead", "sparse: which query picks the blocks: lookahead (the draft token's, for "
         "the next step), previous (this step's, for the next), exact (this step's, for this "
         "step: on the critical path)")
-    drafter: str = _field("self", f"lookahead: where draft tokens come from: {DRAFTERS}")
-    num_drafts: int = _field(1, "lookahead: drafts per request; their queries are averaged")
     score_alpha: float = _field(
         1.0, "sparse: block score q.c + alpha*|q|.r over the min/max key summary (1 = Quest)")
 
@@ -142,10 +140,6 @@ class CacheConfig:
             raise ValueError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
         if self.predictor not in PREDICTORS:
             raise ValueError(f"predictor must be one of {PREDICTORS}, got {self.predictor!r}")
-        if self.drafter not in DRAFTERS:
-            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
-        if self.num_drafts <= 0:
-            raise ValueError(f"num_drafts must be positive, got {self.num_drafts}")
         if self.top_k <= 0:
             raise ValueError(f"top_k must be a positive number of blocks, got {self.top_k}")
         if not 0 < self.f_hbm <= 1:
@@ -157,6 +151,30 @@ class CacheConfig:
     def fetch_cap(self) -> int:
         """Newly admitted blocks per head, layer and step once a working set is seeded."""
         return math.ceil(self.f_hbm * self.top_k)
+
+
+SPECULATIVE = ("off", "accept")
+
+
+@dataclass
+class SpecConfig:
+    """Draft tokens: the lookahead predictor's queries, and optionally speculative decoding."""
+
+    drafter: str = _field("self", f"where draft tokens come from: {DRAFTERS}")
+    num_drafts: int = _field(
+        1, "drafts per request and step; lookahead averages their queries")
+    speculative: str = _field(
+        "off", "accept: verify the first draft and keep it when right, so a step can emit two "
+        "tokens (rejection sampling keeps the output distribution unchanged)")
+
+    def __post_init__(self) -> None:
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if self.num_drafts <= 0:
+            raise ValueError(f"num_drafts must be positive, got {self.num_drafts}")
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {SPECULATIVE}, "
+                             f"got {self.speculative!r}")
 
 
 @dataclass
@@ -189,6 +207,7 @@ class EngineConfig:
     seed: int = _field(0, "seed for sampling when a request gives none")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -207,7 +226,7 @@ class EngineConfig:
     @classmethod
     def sections(cls) -> dict[str, type]:
         """Nested config dataclasses whose fields are flattened into keywords / flags."""
-        return {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        return {"cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig}
 
     @classmethod
     def flat_fields(cls) -> list[tuple[str | None, dataclasses.Field]]:

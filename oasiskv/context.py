@@ -50,6 +50,8 @@ class StepContext:
     writes: list[KVWrite] = field(default_factory=list)
     seqs: list[SeqAttention] = field(default_factory=list)
     sparse: SparseKV | None = None  # selects and fetches working sets before attention
+    # layer -> (k, v) [N, Hkv, d] of the step's rows, kept when drafts may be accepted
+    draft_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 _CONTEXT: StepContext | None = None

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from oasiskv.cli import build_parser, engine_kwargs, main
-from oasiskv.config import CacheConfig, EngineConfig, SchedulerConfig
+from oasiskv.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -22,10 +22,11 @@ def _one_thread():
 
 
 def field_names() -> list[str]:
-    top = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in ("cache",
-                                                                              "scheduler")]
+    top = [f.name for f in dataclasses.fields(EngineConfig)
+           if f.name not in ("cache", "scheduler", "spec")]
     return (top + [f.name for f in dataclasses.fields(CacheConfig)]
-            + [f.name for f in dataclasses.fields(SchedulerConfig)])
+            + [f.name for f in dataclasses.fields(SchedulerConfig)]
+            + [f.name for f in dataclasses.fields(SpecConfig)])
 
 
 @pytest.mark.parametrize("command", [["generate"], ["bench", "decode"]])
@@ -56,6 +57,7 @@ TYPED = [
     ("predictor", "exact", "exact"),
     ("drafter", "ngram", "ngram"),
     ("num_drafts", "2", 2),
+    ("speculative", "accept", "accept"),
     ("score_alpha", "0.5", 0.5),
     ("max_num_seqs", "5", 5),
     ("max_num_batched_tokens", "256", 256),

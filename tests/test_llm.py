@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from oasiskv import LLM, SamplingParams
-from oasiskv.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+from oasiskv.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, parse_bytes
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -20,11 +20,12 @@ def _one_thread():
 
 def all_field_names() -> set[str]:
     """Read from the dataclasses themselves, not from EngineConfig.flat_fields()."""
-    sections = {"cache", "scheduler"}
+    sections = {"cache", "scheduler", "spec"}
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     assert sections <= names
     return ((names - sections) | {f.name for f in dataclasses.fields(CacheConfig)}
-            | {f.name for f in dataclasses.fields(SchedulerConfig)})
+            | {f.name for f in dataclasses.fields(SchedulerConfig)}
+            | {f.name for f in dataclasses.fields(SpecConfig)})
 
 
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K+V, 2 layers, 2 KV heads, head_dim 16, fp32
@@ -50,8 +51,9 @@ FIELD_VALUES = {
     "f_hbm": (0.5, lambda e, _: e.config.cache.fetch_cap == 64),
     "host_kv_budget": ("1MiB", lambda e, _: e.config.cache.host_kv_budget == 2**20),
     "predictor": ("exact", lambda e, _: e.config.cache.predictor == "exact"),
-    "drafter": ("ngram", lambda e, _: e.config.cache.drafter == "ngram"),
-    "num_drafts": (2, lambda e, _: e.config.cache.num_drafts == 2),
+    "drafter": ("ngram", lambda e, _: e.config.spec.drafter == "ngram"),
+    "num_drafts": (2, lambda e, _: e.config.spec.num_drafts == 2),
+    "speculative": ("accept", lambda e, _: e.config.spec.speculative == "accept"),
     "score_alpha": (0.5, lambda e, _: e.config.cache.score_alpha == 0.5),
 }
 

@@ -16,7 +16,7 @@ from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import BlockPool, KVAllocator
 from oasiskv.kv.residency import SparseKV
-from oasiskv.layers.sampler import sample
+from oasiskv.layers.sampler import sample, sample_one, verify_draft
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import load_checkpoint
 from oasiskv.models.registry import resolve_model
@@ -61,9 +61,12 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
                          "requests_finished": 0, "requests_failed": 0, "step_failures": 0,
-                         "drafts": 0, "drafts_right": 0}
+                         "drafts": 0, "drafts_right": 0, "spec_accepted": 0}
         lookahead = config.cache.kv_mode == "sparse" and config.cache.predictor == "lookahead"
-        self.drafter = make_drafter(config.cache.drafter) if lookahead else None
+        self.speculative = config.spec.speculative == "accept"
+        self.drafter = make_drafter(config.spec.drafter) if lookahead or self.speculative else None
+        self.scheduler.extra_decode_slots = int(self.speculative)
+        self.runner.keep_draft_kv = self.speculative
         self.step_log: deque[dict] = deque(maxlen=100_000)  # per-step figures, newest last
         # Called with (batch) after each successful forward; tests use it to inject faults.
         self.step_hooks: list[Callable[[ScheduledBatch], None]] = []
@@ -170,8 +173,8 @@ class LLMEngine:
             for hook in self.step_hooks:
                 hook(batch)
             seqs = [seq for seq, _ in samplers]
-            tokens = sample(logits, [s.params for s in seqs],
-                            [s.generator or self.default_generator for s in seqs])
+            drafts = {id(seq): dl for (seq, _), dl in zip(batch, draft_logits, strict=True)}
+            tokens = self._sample(logits, seqs, drafts)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine
             return self._on_step_failure(batch, e)
         self.counters["steps"] += 1
@@ -189,31 +192,65 @@ class LLMEngine:
             entry.update(vars(self.sparse.last_step))
         self.step_log.append(entry)
         outputs = []
-        drafts = {id(seq): dl for (seq, _), dl in zip(batch, draft_logits, strict=True)}
-        for seq, token in zip(seqs, tokens, strict=True):
-            if isinstance(token, Exception):
-                log.error("request %s failed in sampling: %r", seq.request_id, token)
-                self._finish(seq, "error", error=f"{type(token).__name__}: {token}")
-                outputs.append(self._output(seq))
-                continue
-            seq.token_ids.append(token)
-            seq.metrics.num_generated_tokens = seq.num_output_tokens
-            seq.metrics.first_token_time = seq.metrics.first_token_time or done
-            self._check_stop(seq, token)
+        for seq, (token, accepted) in zip(seqs, tokens, strict=True):
+            draft_row = drafts[id(seq)]
+            if draft_row is not None:
+                self.counters["drafts"] += 1
+                self.counters["drafts_right"] += seq.draft_tokens[0] == token
+            self._append(seq, token, done)
+            if accepted and not seq.is_finished:
+                # The first draft was this token: its K/V (computed as a draft row) is kept
+                # and its row's logits give one more token this step.
+                self.runner.commit_draft(seq)
+                seq.num_computed_tokens += 1
+                self.counters["decode_tokens"] += 1
+                self.counters["spec_accepted"] += 1
+                self._append(seq, self._sample_safely(seq, draft_row[0]), done)
             if self.drafter is not None and not seq.is_finished:
-                self._next_drafts(seq, drafts[id(seq)])
+                prev = seq.draft_tokens[0] if seq.draft_tokens else None
+                chain = None if accepted or draft_row is None else draft_row[0]
+                seq.draft_tokens = self.drafter.propose(seq.token_ids, chain, prev,
+                                                        self.config.spec.num_drafts)
             outputs.append(self._output(seq))
         return outputs
 
-    def _next_drafts(self, seq: Sequence, draft_logits: torch.Tensor | None) -> None:
-        """Lookahead: the drafts that ride along with the token just sampled next step."""
-        prev = seq.draft_tokens[0] if seq.draft_tokens else None
-        if prev is not None and draft_logits is not None:
-            self.counters["drafts"] += 1
-            self.counters["drafts_right"] += prev == seq.token_ids[-1]
-        seq.draft_tokens = self.drafter.propose(
-            seq.token_ids, None if draft_logits is None else draft_logits[0], prev,
-            self.config.cache.num_drafts)
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
+                drafts: dict[int, torch.Tensor | None]) -> list[tuple[int | Exception, bool]]:
+        """(token or the row's exception, whether it is an accepted draft) per sampling row.
+        With speculative acceptance a request whose draft rode along verifies it instead."""
+        verify = [self.speculative and drafts[id(s)] is not None for s in seqs]
+        plain = [i for i, v in enumerate(verify) if not v]
+        out: list[tuple[int | Exception, bool]] = [(0, False)] * len(seqs)
+        sampled = sample(logits[plain], [seqs[i].params for i in plain],
+                         [seqs[i].generator or self.default_generator for i in plain])
+        for i, token in zip(plain, sampled, strict=True):
+            out[i] = (token, False)
+        for i in (i for i, v in enumerate(verify) if v):
+            s = seqs[i]
+            try:
+                out[i] = verify_draft(logits[i], s.draft_tokens[0], s.params,
+                                      s.generator or self.default_generator)
+            except Exception as e:  # noqa: BLE001 - reported per request
+                out[i] = (e, False)
+        return out
+
+    def _sample_safely(self, seq: Sequence, logits: torch.Tensor) -> int | Exception:
+        try:
+            return sample_one(logits, seq.params, seq.generator or self.default_generator)
+        except Exception as e:  # noqa: BLE001 - reported per request
+            return e
+
+    def _append(self, seq: Sequence, token: int | Exception, now: float) -> None:
+        """Adds a sampled token (or fails the request with the sampling error), then checks
+        the stop conditions."""
+        if isinstance(token, Exception):
+            log.error("request %s failed in sampling: %r", seq.request_id, token)
+            self._finish(seq, "error", error=f"{type(token).__name__}: {token}")
+            return
+        seq.token_ids.append(token)
+        seq.metrics.num_generated_tokens = seq.num_output_tokens
+        seq.metrics.first_token_time = seq.metrics.first_token_time or now
+        self._check_stop(seq, token)
 
     @staticmethod
     def _last_rows(batch: ScheduledBatch) -> list[int]:

@@ -25,6 +25,8 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, device_kv: torch.Tensor, block_size: int,
                  host_kv: torch.Tensor | None = None, sparse: SparseKV | None = None) -> None:
         self.model = model
+        self.keep_draft_kv = False  # speculative acceptance: drafts' K/V may be committed
+        self._last: tuple[dict[int, int], StepContext] | None = None
         self.device_kv = device_kv
         self.device = device_kv.device
         self.block_size = block_size
@@ -91,12 +93,32 @@ class ModelRunner:
         return (torch.tensor(ids, device=self.device), torch.cat(positions).to(self.device), ctx)
 
     @torch.inference_mode()
+    def commit_draft(self, seq: Sequence) -> None:
+        """The last step's first draft of `seq` was accepted: its K/V, computed as a draft row,
+        goes to the cache at position seq.num_computed_tokens."""
+        index, ctx = self._last
+        row = ctx.seqs[index[id(seq)]].draft_rows[0]
+        layers = range(len(ctx.draft_kv))
+        k = torch.stack([ctx.draft_kv[layer][0][row] for layer in layers])  # [L, Hkv, d]
+        v = torch.stack([ctx.draft_kv[layer][1][row] for layer in layers])
+        pos = seq.num_computed_tokens
+        if self.sparse is not None:
+            self.sparse.commit_token(seq, pos, k, v)
+            return
+        slot = seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+        self.device_kv[:, 0, :, slot] = k
+        self.device_kv[:, 1, :, slot] = v
+
+    @torch.inference_mode()
     def run(self, batch: ScheduledBatch,
             sample_rows: list[int]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Computes K/V for the batch's new tokens; returns logits [S, V] at `sample_rows`
         (last row of each sequence that samples this step) and, per batch entry, the logits of
         its draft rows [m, V] (None without drafts)."""
         input_ids, positions, ctx = self.prepare(batch)
+        if self.keep_draft_kv and any(attn.draft_rows for attn in ctx.seqs):
+            ctx.draft_kv = {}
+            self._last = ({id(seq): i for i, (seq, _) in enumerate(batch)}, ctx)
         set_context(ctx)
         try:
             hidden = self.model(input_ids, positions)

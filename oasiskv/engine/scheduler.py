@@ -23,6 +23,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Speculative acceptance may keep a draft at position p+1: decodes reserve its slot.
+        self.extra_decode_slots = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -64,13 +66,16 @@ class Scheduler:
         """Make blocks for `n` more tokens of `seq`, preempting later-admitted requests that
         are not in this step's batch; preempt `seq` itself when nothing else can go."""
         scheduled = {id(s) for s, _ in batch}
-        while not self.kv.can_grow(seq, seq.num_computed_tokens + n):
+        tokens = seq.num_computed_tokens + n
+        if n == 1 and tokens == seq.num_tokens:
+            tokens = min(tokens + self.extra_decode_slots, max(seq.max_context, tokens))
+        while not self.kv.can_grow(seq, tokens):
             victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
             if not victims:
                 self.preempt(seq)
                 return False
             self.preempt(victims[-1])
-        self.kv.grow(seq, seq.num_computed_tokens + n)
+        self.kv.grow(seq, tokens)
         return True
 
     def _schedule_alone(self, seq: Sequence) -> ScheduledBatch:

@@ -95,6 +95,9 @@ class SparseKV:
                                        torch.zeros((L, K, hkv), dtype=torch.long), [False] * L,
                                        [False] * L)
         B = self.cfg.block_size
+        # Empty slots are masked out, but 0 * NaN is NaN in probs @ V: clear the slab's bytes.
+        for start in d.slab_tokens.tolist():
+            self.device_kv[:, :, :, start:start + B] = 0
         filled = d.pos % B
         if filled:
             src = d.seq.host_table[d.pos // B] * B
@@ -112,6 +115,20 @@ class SparseKV:
                 self._fill(d, d.pos // B)
         self._decodes = []
         self.counters.add(self.last_step)
+
+    def commit_token(self, seq: Sequence, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """An accepted draft's K/V ([L, Hkv, d] each) joins the active block at `pos`; when it
+        completes the block, the block fills as after any decode step."""
+        K, B = self.cfg.top_k, self.cfg.block_size
+        slot = seq.block_table[K] * B + pos % B
+        self.device_kv[:, 0, :, slot] = k
+        self.device_kv[:, 1, :, slot] = v
+        if (pos + 1) % B == 0:
+            d = _Decode(seq, None, pos, torch.tensor(seq.host_table[:pos // B]),
+                        torch.tensor(seq.block_table[:K + 1]) * B)
+            before = self.last_step.d2h_bytes
+            self._fill(d, pos // B)
+            self.counters.d2h_bytes += self.last_step.d2h_bytes - before
 
     def _fill(self, d: _Decode, block: int) -> None:
         K, B = self.cfg.top_k, self.cfg.block_size

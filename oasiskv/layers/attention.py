@@ -33,6 +33,8 @@ class Attention(nn.Module):
             v_cache.index_copy_(1, w.slots, v[w.rows].transpose(0, 1))
         if ctx.sparse is not None:
             ctx.sparse.prepare_layer(self.layer_idx, q)
+        if ctx.draft_kv is not None:
+            ctx.draft_kv[self.layer_idx] = (k, v)
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype,
                           device=q.device)
         for seq in ctx.seqs:
