@@ -104,7 +104,7 @@ def _field(default: Any, help: str, **kw: Any) -> Any:
 
 KV_MODES = ("dense", "sparse")
 PREDICTORS = ("lookahead", "previous", "exact")
-DRAFTERS = ("self", "ngram", "resync")
+DRAFTERS = ("self", "ngram", "resync", "model")
 
 
 @dataclass
@@ -161,6 +161,8 @@ class SpecConfig:
     """Draft tokens: the lookahead predictor's queries, and optionally speculative decoding."""
 
     drafter: str = _field("self", f"where draft tokens come from: {DRAFTERS}")
+    draft_model: str | None = _field(
+        None, "drafter=model: a small model sharing the tokenizer (alias, HF dir or .gguf)")
     num_drafts: int = _field(
         1, "drafts per request and step; lookahead averages their queries")
     speculative: str = _field(
@@ -170,6 +172,9 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if self.drafter == "model" and not self.draft_model:
+            raise ValueError("drafter 'model' needs draft_model (a model alias, HF directory or "
+                             ".gguf file sharing the target's tokenizer)")
         if self.num_drafts <= 0:
             raise ValueError(f"num_drafts must be positive, got {self.num_drafts}")
         if self.speculative not in SPECULATIVE:

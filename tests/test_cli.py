@@ -57,6 +57,7 @@ TYPED = [
     ("predictor", "exact", "exact"),
     ("drafter", "ngram", "ngram"),
     ("num_drafts", "2", 2),
+    ("draft_model", "some/dir", "some/dir"),
     ("speculative", "accept", "accept"),
     ("score_alpha", "0.5", 0.5),
     ("max_num_seqs", "5", 5),

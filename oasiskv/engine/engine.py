@@ -64,7 +64,11 @@ class LLMEngine:
                          "drafts": 0, "drafts_right": 0, "spec_accepted": 0}
         lookahead = config.cache.kv_mode == "sparse" and config.cache.predictor == "lookahead"
         self.speculative = config.spec.speculative == "accept"
-        self.drafter = make_drafter(config.spec.drafter) if lookahead or self.speculative else None
+        self.drafter = None
+        if lookahead or self.speculative:
+            self.drafter = make_drafter(
+                config.spec.drafter, config.spec.draft_model, mc.vocab_size,
+                dtype=config.dtype, device=config.device, device_kv_budget="1GiB")
         self.scheduler.extra_decode_slots = int(self.speculative)
         self.runner.keep_draft_kv = self.speculative
         self.step_log: deque[dict] = deque(maxlen=100_000)  # per-step figures, newest last
@@ -209,8 +213,13 @@ class LLMEngine:
             if self.drafter is not None and not seq.is_finished:
                 prev = seq.draft_tokens[0] if seq.draft_tokens else None
                 chain = None if accepted or draft_row is None else draft_row[0]
-                seq.draft_tokens = self.drafter.propose(seq.token_ids, chain, prev,
-                                                        self.config.spec.num_drafts)
+                try:
+                    seq.draft_tokens = self.drafter.propose(
+                        seq.token_ids, chain, prev, self.config.spec.num_drafts,
+                        seq.request_id)
+                except Exception as e:  # noqa: BLE001 - a draft is a hint, never a failure
+                    log.warning("drafter failed for request %s: %r", seq.request_id, e)
+                    seq.draft_tokens = []
             outputs.append(self._output(seq))
         return outputs
 
@@ -288,6 +297,8 @@ class LLMEngine:
         seq.metrics.num_generated_tokens = seq.num_output_tokens - drop_last
         self.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
+        if self.drafter is not None:
+            self.drafter.release(seq.request_id)
         self.counters["requests_failed" if reason == "error" else "requests_finished"] += 1
 
     def _on_step_failure(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:

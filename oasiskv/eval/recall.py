@@ -364,7 +364,8 @@ def decode_step(engine, seq: Sequence, drafts: dict[tuple[int, str], int],
 def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
                    bar=None, record: bool = False) -> dict:
     """Prefill + S+1 measured decode steps of one prompt; adds its figures to `totals`.
-    Returns timings (and, with record, every step's per-layer queries)."""
+    Returns timings, the trajectory x_0..x_S (`output_ids`), each (K, drafter)'s drafts
+    (`drafts["K/d"][t]` guessed x_{t+1}) and, with record, every step's per-layer queries."""
     t_start = time.perf_counter()
     seq, prefill_s = prefill(engine, ids, spec.steps + 8, bar)
     try:
@@ -380,6 +381,7 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
         last_logits: dict[tuple[int, str], torch.Tensor] = {}
         last_draft: dict[tuple[int, str], int] = {}
         recorded = []
+        history: dict[str, list[int]] = {f"{k}/{d}": [] for k, d in keys}
         for t in range(spec.steps + 1):
             predict = t < spec.steps
             drafts = {}
@@ -396,6 +398,7 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
                 totals.draft_steps += 1
                 for key, draft in drafts.items():
                     totals.draft_hits[key] = totals.draft_hits.get(key, 0) + (draft == token)
+                    history[f"{key[0]}/{key[1]}"].append(draft)
             last_logits, last_draft = draft_logits, drafts
             if record:
                 recorded.append({"queries": probe.queries, "rows": dict(probe.draft_rows)})
@@ -406,7 +409,7 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
     finally:
         engine.abort(seq.request_id)
     out = {"prefill_s": prefill_s, "total_s": time.perf_counter() - t_start,
-           "output_ids": seq.output_token_ids[:spec.steps + 1]}
+           "output_ids": seq.output_token_ids[:spec.steps + 1], "drafts": history}
     if record:
         out["steps"] = recorded
     return out
@@ -470,7 +473,7 @@ def plot_recall(rows: list[dict], path: str, title: str = "") -> None:
                 color=colour, linestyle=styles[ks.index(r["top_k"]) % len(styles)],
                 label=row_label(r))
     ax.set_xlabel("layer")
-    ax.set_ylabel("recall |P ∩ E_{t+1}| / K")
+    ax.set_ylabel(r"recall $|P \cap E_{t+1}|\,/\,K$")
     ax.set_title(title or "per-layer recall of the next step's exact top-K blocks")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)

@@ -8,8 +8,12 @@ along with x_{t+1} in step t+1; the draft's per-layer queries then predict step 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from oasiskv.engine.sequence import Sequence
 
 
 class Drafter(ABC):
@@ -17,13 +21,17 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, tokens: list[int], draft_logits: torch.Tensor | None,
-                prev_draft: int | None, num: int = 1) -> list[int]:
+                prev_draft: int | None, num: int = 1, request_id: str = "") -> list[int]:
         """`num` distinct guesses of the token after tokens[-1], best first.
 
         tokens: the request's tokens so far (prompt + output, newest last);
         draft_logits: [V] logits of the previous step's first draft row, or None;
-        prev_draft: that draft token (compare with tokens[-1] to know if it was right).
+        prev_draft: that draft token (compare with tokens[-1] to know if it was right);
+        request_id: for drafters that keep state per request.
         """
+
+    def release(self, request_id: str) -> None:  # noqa: B027 - optional: stateless by default
+        """The request ended: drop whatever state the drafter keeps for it."""
 
 
 def _fill(guesses: list[int], tokens: list[int], num: int) -> list[int]:
@@ -42,7 +50,7 @@ class SelfDrafter(Drafter):
 
     name = "self"
 
-    def propose(self, tokens, draft_logits, prev_draft, num=1):
+    def propose(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
         if draft_logits is None:  # first decode step: no draft row yet
             return NgramDrafter().propose(tokens, None, None, num)
         return torch.topk(draft_logits, num).indices.tolist()
@@ -57,7 +65,7 @@ class NgramDrafter(Drafter):
     def __init__(self, sizes: tuple[int, ...] = (3, 2, 1)) -> None:
         self.sizes = sizes
 
-    def propose(self, tokens, draft_logits, prev_draft, num=1):
+    def propose(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
         guesses: list[int] = []
         for n in self.sizes:
             if len(tokens) <= n:
@@ -80,17 +88,60 @@ class ResyncDrafter(Drafter):
 
     name = "resync"
 
-    def propose(self, tokens, draft_logits, prev_draft, num=1):
+    def propose(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
         if prev_draft is None or prev_draft == tokens[-1]:
             return SelfDrafter().propose(tokens, draft_logits, prev_draft, num)
         return NgramDrafter().propose(tokens, None, prev_draft, num)
 
 
+class ModelDrafter(Drafter):
+    """A separate small model sharing the tokenizer, run between steps: it keeps its own dense
+    KV per request, computes the tokens it has not seen yet and proposes its top tokens."""
+
+    name = "model"
+
+    def __init__(self, model: str, vocab_size: int, **engine_kwargs) -> None:
+        from oasiskv.config import EngineConfig  # the engine imports this module
+        from oasiskv.engine.engine import LLMEngine
+
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
+        if self.engine.model_config.vocab_size != vocab_size:
+            raise ValueError(f"draft model {model!r} has a vocabulary of "
+                             f"{self.engine.model_config.vocab_size} tokens, the target "
+                             f"{vocab_size}: a draft model must share the tokenizer")
+        self.seqs: dict[str, Sequence] = {}
+
+    def propose(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
+        from oasiskv.sampling_params import SamplingParams
+
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            seq = self.engine.make_sequence(list(tokens), SamplingParams(max_tokens=1))
+            self.seqs[request_id] = seq
+        seq.token_ids[:] = tokens  # its KV covers only true tokens, so the prefix matches
+        new = len(tokens) - seq.num_computed_tokens
+        self.engine.kv.grow(seq, len(tokens))
+        logits, _ = self.engine.runner.run([(seq, new)], [new - 1])
+        seq.num_computed_tokens = len(tokens)
+        return torch.topk(logits[0], num).indices.tolist()
+
+    def release(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.engine.kv.free(seq)
+
+
 DRAFTERS: dict[str, type[Drafter]] = {d.name: d for d in (SelfDrafter, NgramDrafter,
-                                                           ResyncDrafter)}
+                                                           ResyncDrafter, ModelDrafter)}
 
 
-def make_drafter(name: str) -> Drafter:
+def make_drafter(name: str, draft_model: str | None = None, vocab_size: int = 0,
+                 **engine_kwargs) -> Drafter:
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r}; known: {sorted(DRAFTERS)}")
+    if name == "model":
+        if not draft_model:
+            raise ValueError("drafter 'model' needs draft_model (a model alias, HF directory "
+                             "or .gguf file sharing the target's tokenizer)")
+        return ModelDrafter(draft_model, vocab_size, **engine_kwargs)
     return DRAFTERS[name]()

@@ -71,3 +71,30 @@ def test_every_predictor_and_drafter_equals_dense_when_k_covers_all(tiny_llama, 
         assert 0 <= stats["drafts_right"] <= stats["drafts"]
     else:
         assert stats["drafts"] == 0
+
+
+def test_model_drafter_with_the_target_as_its_own_draft_is_always_right(tiny_llama):
+    """The same weights as draft model: every draft is the target's greedy next token, so
+    speculative acceptance keeps them all and the output is unchanged."""
+    torch.set_num_threads(1)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [list(range(3, 40)), list(range(60, 75))]
+    plain = LLM(str(tiny_llama)).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_llama), speculative="accept", drafter="model",
+              draft_model=str(tiny_llama))
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    stats = llm.stats()
+    assert stats["drafts"] > 0 and stats["drafts_right"] == stats["drafts"]
+    assert not llm.engine.drafter.seqs  # finished requests released their draft KV
+    assert llm.engine.drafter.engine.pool.num_used == 0
+
+
+def test_model_drafter_needs_a_model_with_the_same_vocabulary(tiny_llama, tmp_path):
+    from conftest import build_model_dir
+
+    other = build_model_dir(tmp_path, "llama", vocab_size=400)
+    with pytest.raises(ValueError, match="must share the tokenizer"):
+        LLM(str(tiny_llama), speculative="accept", drafter="model", draft_model=str(other))
+    with pytest.raises(ValueError, match="needs draft_model"):
+        LLM(str(tiny_llama), speculative="accept", drafter="model")
