@@ -197,31 +197,35 @@ class LLMEngine:
         self.step_log.append(entry)
         outputs = []
         for seq, (token, accepted) in zip(seqs, tokens, strict=True):
-            draft_row = drafts[id(seq)]
-            if draft_row is not None:
-                self.counters["drafts"] += 1
-                self.counters["drafts_right"] += seq.draft_tokens[0] == token
-            self._append(seq, token, done)
-            if accepted and not seq.is_finished:
-                # The first draft was this token: its K/V (computed as a draft row) is kept
-                # and its row's logits give one more token this step.
-                self.runner.commit_draft(seq)
-                seq.num_computed_tokens += 1
-                self.counters["decode_tokens"] += 1
-                self.counters["spec_accepted"] += 1
-                self._append(seq, self._sample_safely(seq, draft_row[0]), done)
-            if self.drafter is not None and not seq.is_finished:
-                prev = seq.draft_tokens[0] if seq.draft_tokens else None
-                chain = None if accepted or draft_row is None else draft_row[0]
-                try:
-                    seq.draft_tokens = self.drafter.propose(
-                        seq.token_ids, chain, prev, self.config.spec.num_drafts,
-                        seq.request_id)
-                except Exception as e:  # noqa: BLE001 - a draft is a hint, never a failure
-                    log.warning("drafter failed for request %s: %r", seq.request_id, e)
-                    seq.draft_tokens = []
+            self._advance(seq, token, accepted, drafts[id(seq)], done)
             outputs.append(self._output(seq))
         return outputs
+
+    def _advance(self, seq: Sequence, token: int | Exception, accepted: bool,
+                 draft_row: torch.Tensor | None, now: float) -> None:
+        """Appends the step's token(s) to a request and prepares its next drafts."""
+        if draft_row is not None:
+            self.counters["drafts"] += 1
+            self.counters["drafts_right"] += seq.draft_tokens[0] == token
+        self._append(seq, token, now)
+        if accepted and not seq.is_finished:
+            # The first draft was this token: its K/V (computed as a draft row) is kept and
+            # its row's logits give one more token this step.
+            self.runner.commit_draft(seq)
+            seq.num_computed_tokens += 1
+            self.counters["decode_tokens"] += 1
+            self.counters["spec_accepted"] += 1
+            self._append(seq, self._sample_safely(seq, draft_row[0]), now)
+        if self.drafter is None or seq.is_finished:
+            return
+        prev = seq.draft_tokens[0] if seq.draft_tokens else None
+        chain = None if accepted or draft_row is None else draft_row[0]
+        try:
+            seq.draft_tokens = self.drafter.propose(seq.token_ids, chain, prev,
+                                                    self.config.spec.num_drafts, seq.request_id)
+        except Exception as e:  # noqa: BLE001 - a draft is a hint, never a failure
+            log.warning("drafter failed for request %s: %r", seq.request_id, e)
+            seq.draft_tokens = []
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
                 drafts: dict[int, torch.Tensor | None]) -> list[tuple[int | Exception, bool]]:
