@@ -186,6 +186,7 @@ class RecallProbe:
         self.pending: list[dict[RowKey, torch.Tensor]] = [{} for _ in range(layers)]
         self.last_exact: list[dict[int, torch.Tensor]] = [{} for _ in range(layers)]
         self.queries: list[torch.Tensor] = []  # this step's q per layer (record=True)
+        self.step_recall: dict[RowKey, float] = {}  # this step's recall summed over layers
 
     def keys(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Post-RoPE keys of token positions [start, end): [Hkv, end-start, d]."""
@@ -215,7 +216,7 @@ class RecallProbe:
                    draft_rows: dict[tuple[int, str], int], predict: bool, score: bool) -> None:
         self.pos, self.attns, self.draft_rows = pos, attns, draft_rows
         self.predict, self.score = predict, score
-        self.queries = []
+        self.queries, self.step_recall = [], {}
         if score:
             self.totals.scored += 1
 
@@ -265,7 +266,9 @@ class RecallProbe:
         totals = self.totals
         for key, pred in self.pending[layer].items():
             e = exact[key[0]]
-            totals.add(key, layer, recall(pred, e).mean(), captured_mass(mass, pred).mean())
+            r = recall(pred, e).mean()
+            totals.add(key, layer, r, captured_mass(mass, pred).mean())
+            self.step_recall[key] = self.step_recall.get(key, 0.0) + float(r)
         for k, e in exact.items():
             totals.add((k, "exact", ""), layer, 1.0, captured_mass(mass, e).mean())
             totals.churn.setdefault(k, []).append(churn(e, self.last_exact[layer][k]))
@@ -365,7 +368,9 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
                    bar=None, record: bool = False) -> dict:
     """Prefill + S+1 measured decode steps of one prompt; adds its figures to `totals`.
     Returns timings, the trajectory x_0..x_S (`output_ids`), each (K, drafter)'s drafts
-    (`drafts["K/d"][t]` guessed x_{t+1}) and, with record, every step's per-layer queries."""
+    (`drafts["K/d"][t]` guessed x_{t+1}), each row's recall per scored step, mean over layers
+    (`step_recall["K/predictor[/d]"][t]`: step t's prediction of E_{t+1}) and, with record,
+    every step's per-layer queries."""
     t_start = time.perf_counter()
     seq, prefill_s = prefill(engine, ids, spec.steps + 8, bar)
     try:
@@ -382,6 +387,8 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
         last_draft: dict[tuple[int, str], int] = {}
         recorded = []
         history: dict[str, list[int]] = {f"{k}/{d}": [] for k, d in keys}
+        step_recall: dict[str, list[float]] = {}
+        layers = engine.model_config.num_layers
         for t in range(spec.steps + 1):
             predict = t < spec.steps
             drafts = {}
@@ -390,6 +397,8 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
                     drafts[(k, d)] = (trajectory[t + 1] if d == ORACLE else drafters[d].propose(
                         seq.token_ids, last_logits.get((k, d)), last_draft.get((k, d)), 1)[0])
             normal, draft_logits = decode_step(engine, seq, drafts, probe, predict, t > 0)
+            for (k, pred, d), total in probe.step_recall.items():
+                step_recall.setdefault(f"{k}/{pred}/{d}".rstrip("/"), []).append(total / layers)
             token = int(normal.argmax())
             if trajectory is not None and t + 1 < len(trajectory):
                 totals.greedy_mismatches += token != trajectory[t + 1]
@@ -409,7 +418,8 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
     finally:
         engine.abort(seq.request_id)
     out = {"prefill_s": prefill_s, "total_s": time.perf_counter() - t_start,
-           "output_ids": seq.output_token_ids[:spec.steps + 1], "drafts": history}
+           "output_ids": seq.output_token_ids[:spec.steps + 1], "drafts": history,
+           "step_recall": step_recall}
     if record:
         out["steps"] = recorded
     return out

@@ -225,6 +225,14 @@ def test_cli_end_to_end_writes_json_and_plot(tiny_llama, tmp_path, monkeypatch, 
     for row in data["rows"]:
         assert 0 <= row["recall"] <= 1 and len(row["per_layer_recall"]) == 2
         assert 0 <= row["mass"] <= 1 + 1e-6
+        if row["predictor"] == "exact":
+            continue
+        key = "/".join(str(x) for x in (row["top_k"], row["predictor"], row["drafter"]) if x)
+        per_step = [v for p in data["prompts"] for v in p["step_recall"][key]]
+        assert len(per_step) == 2 * 4 and sum(per_step) / 8 == pytest.approx(row["recall"])
+    for p in data["prompts"]:
+        assert len(p["output_ids"]) == 5 and all(len(d) == 4 for d in p["drafts"].values())
+        assert p["drafts"]["2/oracle"] == p["output_ids"][1:]
     assert all(r["draft_accuracy"] == 1.0 for r in data["rows"] if r["drafter"] == "oracle")
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| K | predictor | drafter | recall |" in out.out
