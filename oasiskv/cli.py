@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--draft-context", choices=("sparse", "dense"), default="sparse",
                      help="what a draft attends to: the step's exact top-K + active block "
                      "(sparse, the engine's working set) or everything (dense: upper bound)")
+    rec.add_argument("--sync-start", action="store_true",
+                     help="step 0's drafts are the true next token (draft chains start in "
+                     "sync); default: each drafter's own cold-start guess")
     rec.add_argument("--block-size", type=int, default=16, help="tokens per block (B)")
     rec.add_argument("--dtype", default="float32")
     rec.add_argument("--num-threads", type=int, default=None)

@@ -28,8 +28,12 @@ Drafters: `self`, `ngram`, `resync` from `spec.drafters` (each gets the logits o
 row of the previous step, and its own previous draft), and `oracle`: the true next token, read
 from the greedy trajectory decoded first (the measured steps then follow that trajectory; the
 `greedy_mismatches` figure counts steps where the measured forward's argmax differed).
-With --steps S the tool runs S+1 decode steps: steps 0..S-1 carry drafts and predict (step 0's
-drafts have no draft logits yet: `self` starts its chain from prompt lookup), steps 1..S score.
+With --steps S the tool runs S+1 decode steps: steps 0..S-1 carry drafts and predict, steps
+1..S score. Step 0's drafts have no draft logits yet: by default each drafter makes its own
+cold-start guess (`self` falls back to prompt lookup); `--sync-start` makes step 0's drafts the
+true x_1 instead, so that the self chain starts in sync. The choice matters for `self`: its
+chain is sticky (after a miss it conditions on its own wrong token and takes many steps to
+resync), so over a few dozen steps its accuracy depends on how it starts.
 
 Prompts: exactly --context tokens of plain novel text (no BOS), each from the first paragraph
 that begins at or after a fixed character offset of an Austen novel.
@@ -47,7 +51,7 @@ import torch
 from tqdm.auto import tqdm
 
 from oasiskv.bench.common import markdown_table, parse_list, write_json
-from oasiskv.context import SeqAttention, StepContext, set_context
+from oasiskv.context import SeqAttention, set_context
 from oasiskv.data.austen import austen_text
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import is_contiguous
@@ -283,6 +287,7 @@ class RecallSpec:
     drafters: list[str]
     steps: int = 48
     draft_context: str = "sparse"  # "sparse": E_t + active block; "dense": everything
+    sync_start: bool = False  # step 0's drafts are the true x_1 (chains start in sync)
 
     def __post_init__(self) -> None:
         bad = [p for p in self.predictors if p not in PREDICTORS]
@@ -351,7 +356,7 @@ def decode_step(engine, seq: Sequence, drafts: dict[tuple[int, str], int],
     for k in dict.fromkeys(k for k, _ in drafts):
         attns[k] = dataclasses.replace(base, draft_rows=[r for (kk, _), r in rows.items()
                                                           if kk == k], draft_valid=None)
-    ctx = StepContext(writes=ctx.writes, seqs=list(attns.values()) or [base], sparse=probe)
+    ctx.seqs, ctx.sparse = list(attns.values()) or [base], probe
     if probe is not None:
         probe.begin_step(seq.num_computed_tokens, attns, rows, predict, score)
     with torch.inference_mode():
@@ -375,7 +380,8 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
     seq, prefill_s = prefill(engine, ids, spec.steps + 8, bar)
     try:
         p = seq.num_prompt_tokens
-        oracle = ORACLE in spec.lookahead_drafters
+        oracle = ORACLE in spec.lookahead_drafters or (spec.sync_start
+                                                        and bool(spec.lookahead_drafters))
         trajectory = greedy_trajectory(engine, seq, spec.steps + 1) if oracle else None
         probe = RecallProbe(engine.runner.model, engine.runner.device_kv, seq,
                             engine.config.cache.block_size, spec.top_ks,
@@ -394,8 +400,11 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
             drafts = {}
             if predict:
                 for k, d in keys:
-                    drafts[(k, d)] = (trajectory[t + 1] if d == ORACLE else drafters[d].propose(
-                        seq.token_ids, last_logits.get((k, d)), last_draft.get((k, d)), 1)[0])
+                    if d == ORACLE or (t == 0 and spec.sync_start):
+                        drafts[(k, d)] = trajectory[t + 1]
+                    else:
+                        drafts[(k, d)] = drafters[d].propose(seq.token_ids, last_logits.get(
+                            (k, d)), last_draft.get((k, d)), 1)[0]
             normal, draft_logits = decode_step(engine, seq, drafts, probe, predict, t > 0)
             for (k, pred, d), total in probe.step_recall.items():
                 step_recall.setdefault(f"{k}/{pred}/{d}".rstrip("/"), []).append(total / layers)
@@ -530,7 +539,7 @@ def run_recall_eval(args: argparse.Namespace) -> list[dict]:
     t0 = time.perf_counter()
     spec = RecallSpec(top_ks=parse_list(args.top_k), predictors=parse_list(args.predictor, str),
                       drafters=parse_list(args.drafter, str), steps=args.steps,
-                      draft_context=args.draft_context)
+                      draft_context=args.draft_context, sync_start=args.sync_start)
     kwargs = {"model": args.model, "dtype": args.dtype, "kv_mode": "dense",
               "block_size": args.block_size}
     if args.num_threads:
@@ -545,7 +554,8 @@ def run_recall_eval(args: argparse.Namespace) -> list[dict]:
     print(f"\n## next-step block recall, {args.model} ({cfg.num_layers} layers, "
           f"{cfg.num_kv_heads} KV heads), {len(prompts)} prompts x {args.context} tokens, "
           f"{spec.steps} scored steps, B={args.block_size}, drafts over the "
-          f"{spec.draft_context} set\n")
+          f"{spec.draft_context} set, draft chains started "
+          f"{'in sync (step 0: true x_1)' if spec.sync_start else 'cold'}\n")
     print(markdown_table(rows, COLUMNS))
     print(f"\nrecall = |predicted ∩ exact next-step top-K| / K (mean over layers, KV heads, "
           f"steps, prompts); attn mass = share of the next token's attention over complete "
@@ -554,7 +564,8 @@ def run_recall_eval(args: argparse.Namespace) -> list[dict]:
     payload = {"eval": "recall", "model": args.model, "dtype": args.dtype,
                "context": args.context, "steps": spec.steps, "block_size": args.block_size,
                "top_k": spec.top_ks, "predictors": spec.predictors, "drafters": spec.drafters,
-               "draft_context": spec.draft_context, "num_layers": cfg.num_layers,
+               "draft_context": spec.draft_context, "sync_start": spec.sync_start,
+               "num_layers": cfg.num_layers,
                "threads": torch.get_num_threads(), "greedy_mismatches": totals.greedy_mismatches,
                "time_s": elapsed, "prompts": result["prompts"], "rows": rows}
     write_json(args.json, payload)

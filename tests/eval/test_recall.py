@@ -105,6 +105,14 @@ def test_draft_mask_is_exact_set_plus_active_block(llm):
     assert torch.equal(mask, want)
 
 
+def test_sync_start_makes_step_0s_drafts_the_true_next_token(llm):
+    spec = RecallSpec([2], ["lookahead"], ["self", "ngram"], steps=3, sync_start=True)
+    result = run_recall(llm, [{"ids": prompt_ids()}], spec, progress=False)
+    p = result["prompts"][0]
+    assert p["drafts"]["2/self"][0] == p["drafts"]["2/ngram"][0] == p["output_ids"][1]
+    assert result["totals"].greedy_mismatches == 0  # the trajectory was decoded first
+
+
 # ---- the normal token is not disturbed -----------------------------------------------------
 
 def test_normal_logits_do_not_change_with_draft_rows(llm):
