@@ -59,6 +59,13 @@ def build_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overrides)
     return path
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny models are fastest on one thread, and 2-thread OpenMP barriers crawl when the
+    machine's cores are shared with another job."""
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model_dir(tmp_path_factory.mktemp("tiny_llama"), "llama")

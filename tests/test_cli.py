@@ -13,14 +13,6 @@ from oasiskv.cli import build_parser, engine_kwargs, main
 from oasiskv.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def field_names() -> list[str]:
     top = [f.name for f in dataclasses.fields(EngineConfig)
            if f.name not in ("cache", "scheduler", "spec")]

@@ -10,14 +10,6 @@ from oasiskv import LLM, SamplingParams
 from oasiskv.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, parse_bytes
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def all_field_names() -> set[str]:
     """Read from the dataclasses themselves, not from EngineConfig.flat_fields()."""
     sections = {"cache", "scheduler", "spec"}

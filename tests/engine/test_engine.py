@@ -21,15 +21,6 @@ from oasiskv import LLM, SamplingParams
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The tiny model is fastest on one thread, and 2-thread OpenMP barriers crawl when the
-    # machine's cores are shared with other jobs.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def model(tiny_llama) -> str:

@@ -30,13 +30,6 @@ from oasiskv.eval.recall import (
 CONTEXT = 200  # 12 complete blocks of 16, the 13th partial
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):

@@ -12,15 +12,6 @@ import oasiskv.engine.engine as engine_mod
 from oasiskv import LLM, SamplingParams
 from oasiskv.kv.select import block_scores, insert_block, select_capped_lru, top_k_blocks
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 # ---------------------------------------------------------------- scoring and top-K
 
 

@@ -7,14 +7,6 @@ import torch
 from oasiskv import LLM, SamplingParams
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def prefilled(model_dir, prompt, **kw):
     llm = LLM(str(model_dir), device_kv_budget="4MiB", host_kv_budget="4MiB", **kw)
     seq = llm.engine.make_sequence(prompt, SamplingParams(temperature=0, max_tokens=8,

@@ -57,7 +57,6 @@ def test_unknown_drafter_is_a_clear_error():
 @pytest.mark.parametrize("drafter, num", [("self", 1), ("ngram", 1), ("resync", 2)])
 def test_every_predictor_and_drafter_equals_dense_when_k_covers_all(tiny_llama, predictor,
                                                                      drafter, num):
-    torch.set_num_threads(1)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [list(range(3, 40)), list(range(50, 61)) * 3]
     dense = LLM(str(tiny_llama)).generate(prompts, params, use_tqdm=False)
@@ -76,7 +75,6 @@ def test_every_predictor_and_drafter_equals_dense_when_k_covers_all(tiny_llama, 
 def test_model_drafter_with_the_target_as_its_own_draft_is_always_right(tiny_llama):
     """The same weights as draft model: every draft is the target's greedy next token, so
     speculative acceptance keeps them all and the output is unchanged."""
-    torch.set_num_threads(1)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [list(range(3, 40)), list(range(60, 75))]
     plain = LLM(str(tiny_llama)).generate(prompts, params, use_tqdm=False)

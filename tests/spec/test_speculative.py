@@ -8,14 +8,6 @@ from oasiskv import LLM, SamplingParams
 from oasiskv.layers.sampler import probabilities, verify_draft
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
     from scipy.stats import chisquare
 
