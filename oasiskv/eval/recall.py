@@ -54,6 +54,7 @@ from oasiskv.bench.common import markdown_table, parse_list, write_json
 from oasiskv.context import SeqAttention, set_context
 from oasiskv.data.austen import austen_text
 from oasiskv.engine.sequence import Sequence
+from oasiskv.eval.metrics import block_mass, captured_mass, churn, membership, recall
 from oasiskv.kv.blocks import is_contiguous
 from oasiskv.kv.select import block_scores, top_k_blocks
 from oasiskv.kv.summaries import summarize
@@ -97,45 +98,6 @@ def paragraph_prompt(tokenizer, text: str, offset: int, length: int) -> tuple[in
             raise ValueError(f"the text after character {start} holds only {len(ids)} tokens, "
                              f"{length} wanted")
         span *= 2
-
-
-# ---- the figures, on sets of block ids ------------------------------------------------------
-
-def _member(sets: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[Hkv, k] block ids -> [Hkv, num_blocks] bool membership."""
-    out = torch.zeros(sets.shape[0], num_blocks, dtype=torch.bool)
-    return out.scatter_(1, sets, True)
-
-
-def recall(pred: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    """|P ∩ E| / |E| per KV head: pred [Hkv, k], exact [Hkv, e] block ids -> [Hkv]."""
-    n = int(max(pred.max(), exact.max())) + 1 if exact.numel() else 1
-    return _member(exact, n).gather(1, pred).sum(1).double() / max(exact.shape[1], 1)
-
-
-def churn(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """|E_new \\ E_old| / |E_new| per KV head -> [Hkv]."""
-    n = int(max(new.max(), old.max())) + 1 if new.numel() else 1
-    kept = _member(old, n).gather(1, new).sum(1).double()
-    return (new.shape[1] - kept) / max(new.shape[1], 1)
-
-
-def block_mass(q: torch.Tensor, keys: torch.Tensor, scale: float,
-               block_size: int) -> torch.Tensor:
-    """Softmax attention of one token over complete blocks, summed per block: q [H, d],
-    keys [Hkv, n*B, d] -> [H, n] (each row sums to 1)."""
-    hkv, t, d = keys.shape
-    qg = q.view(hkv, -1, d).float()
-    probs = torch.softmax(torch.matmul(qg, keys.float().transpose(1, 2)) * scale, dim=-1)
-    return probs.view(hkv, qg.shape[1], t // block_size, block_size).sum(-1).reshape(q.shape[0],
-                                                                                     -1)
-
-
-def captured_mass(mass: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
-    """Share of each query head's block mass [H, n] inside its KV head's set pred [Hkv, k]
-    -> [H]."""
-    idx = pred.repeat_interleave(mass.shape[0] // pred.shape[0], dim=0)
-    return mass.gather(1, idx).sum(1).double()
 
 
 # ---- the probe: ctx.sparse stand-in that sees every layer's queries -----------------------
@@ -226,7 +188,7 @@ class RecallProbe:
 
     def _draft_mask(self, sets: torch.Tensor) -> torch.Tensor:
         """E_t (per KV head) + the active block, as token slots of the normal row's view."""
-        blocks = _member(sets, self.pos // self.block + 1)
+        blocks = membership(sets, self.pos // self.block + 1)
         blocks[:, -1] = True
         return blocks.repeat_interleave(self.block, dim=1)[:, :self.pos + 1]
 

@@ -1,0 +1,40 @@
+"""The recall tool's figures, on per-KV-head sets of block ids and attention masses."""
+
+import torch
+
+
+def membership(sets: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[Hkv, k] block ids -> [Hkv, num_blocks] bool membership."""
+    out = torch.zeros(sets.shape[0], num_blocks, dtype=torch.bool)
+    return out.scatter_(1, sets, True)
+
+
+def recall(pred: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """|P ∩ E| / |E| per KV head: pred [Hkv, k], exact [Hkv, e] block ids -> [Hkv]."""
+    n = int(max(pred.max(), exact.max())) + 1 if exact.numel() else 1
+    return membership(exact, n).gather(1, pred).sum(1).double() / max(exact.shape[1], 1)
+
+
+def churn(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """|E_new \\ E_old| / |E_new| per KV head -> [Hkv]."""
+    n = int(max(new.max(), old.max())) + 1 if new.numel() else 1
+    kept = membership(old, n).gather(1, new).sum(1).double()
+    return (new.shape[1] - kept) / max(new.shape[1], 1)
+
+
+def block_mass(q: torch.Tensor, keys: torch.Tensor, scale: float,
+               block_size: int) -> torch.Tensor:
+    """Softmax attention of one token over complete blocks, summed per block: q [H, d],
+    keys [Hkv, n*B, d] -> [H, n] (each row sums to 1)."""
+    hkv, t, d = keys.shape
+    qg = q.view(hkv, -1, d).float()
+    probs = torch.softmax(torch.matmul(qg, keys.float().transpose(1, 2)) * scale, dim=-1)
+    return probs.view(hkv, qg.shape[1], t // block_size, block_size).sum(-1).reshape(q.shape[0],
+                                                                                     -1)
+
+
+def captured_mass(mass: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+    """Share of each query head's block mass [H, n] inside its KV head's set pred [Hkv, k]
+    -> [H]."""
+    idx = pred.repeat_interleave(mass.shape[0] // pred.shape[0], dim=0)
+    return mass.gather(1, idx).sum(1).double()
