@@ -160,7 +160,8 @@ SPECULATIVE = ("off", "accept")
 class SpecConfig:
     """Draft tokens: the lookahead predictor's queries, and optionally speculative decoding."""
 
-    drafter: str = _field("self", f"where draft tokens come from: {DRAFTERS}")
+    drafter: str = _field(
+        "resync", f"where draft tokens come from: {DRAFTERS} (resync: best measured recall)")
     draft_model: str | None = _field(
         None, "drafter=model: a small model sharing the tokenizer (alias, HF dir or .gguf)")
     num_drafts: int = _field(
