@@ -84,17 +84,15 @@ class SparseKV:
             if seq.working_set is None:
                 self._load(d)
             self._decodes.append(d)
-        assert all(len(d.slab_tokens) == K + 1 for d in self._decodes)
 
     def _load(self, d: _Decode) -> None:
         """First sparse decode step of a request: empty head map; the active block's tokens so
         far come from the host (its complete blocks are admitted by the first selection)."""
         L, _, hkv, _, _ = self.device_kv.shape
-        K = self.cfg.top_k
+        K, B = self.cfg.top_k, self.cfg.block_size
         d.seq.working_set = WorkingSet(torch.full((L, K, hkv), -1, dtype=torch.long),
                                        torch.zeros((L, K, hkv), dtype=torch.long), [False] * L,
                                        [False] * L)
-        B = self.cfg.block_size
         # Empty slots are masked out, but 0 * NaN is NaN in probs @ V: clear the slab's bytes.
         for start in d.slab_tokens.tolist():
             self.device_kv[:, :, :, start:start + B] = 0
