@@ -21,6 +21,12 @@ def allocate_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch
                        cfg.head_dim, dtype=dtype, device=device, pin_memory=pin)
 
 
+def is_decode(seq: Sequence, n: int) -> bool:
+    """A scheduled chunk of `n` tokens is a decode step: one token, and it samples (a 1-token
+    prefill chunk that leaves more of the prompt for later is prefill)."""
+    return n == 1 and not seq.in_prefill
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, device_kv: torch.Tensor, block_size: int,
                  host_kv: torch.Tensor | None = None, sparse: SparseKV | None = None) -> None:
@@ -64,7 +70,7 @@ class ModelRunner:
             if self.sparse is None:  # dense: the device pool holds every block
                 pool, slots = "device", self._token_slots(seq.block_table, start, end)
                 attn = self._view(seq.block_table, row, n, end, pool)
-            elif n == 1 and end == seq.num_tokens:  # sparse decode: into the slab's active slot
+            elif is_decode(seq, n):  # sparse decode: into the slab's active slot
                 k = self.sparse.cfg.top_k
                 slab = seq.block_table[:k + 1]
                 pool = "device"
@@ -81,7 +87,7 @@ class ModelRunner:
             row += n
         # Draft tokens ride along after the normal rows: position p+1, never written.
         for (seq, n), attn in zip(batch, ctx.seqs, strict=True):
-            if seq.draft_tokens and n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens:
+            if seq.draft_tokens and is_decode(seq, n):
                 attn.draft_rows = list(range(row, row + len(seq.draft_tokens)))
                 ids += seq.draft_tokens
                 positions.append(torch.full((len(seq.draft_tokens),), seq.num_computed_tokens + 1))
@@ -126,9 +132,9 @@ class ModelRunner:
             set_context(None)
         if self.sparse is not None:
             for seq, n in batch:
-                if n > 1:
+                if not is_decode(seq, n):  # written to the host tier by prefill
                     self.sparse.summarize_prefill(seq, seq.num_computed_tokens,
-                                                  seq.num_computed_tokens + n, n)
+                                                  seq.num_computed_tokens + n)
             self.sparse.end_step()
         draft_rows = [row for attn in ctx.seqs for row in attn.draft_rows]
         logits = self.model.compute_logits(hidden[sample_rows + draft_rows]).float()

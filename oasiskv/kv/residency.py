@@ -147,11 +147,11 @@ class SparseKV:
 
     # ---- prefill ----------------------------------------------------------------------------
 
-    def summarize_prefill(self, seq: Sequence, start: int, end: int, n_written: int) -> None:
+    def summarize_prefill(self, seq: Sequence, start: int, end: int) -> None:
         """Summaries of the blocks that the prefill chunk [start, end) completed."""
         B = self.cfg.block_size
         per_token = self.host_kv[:, :, :, 0].numel() * self.host_kv.element_size()
-        self.last_step.host_write_bytes += n_written * per_token
+        self.last_step.host_write_bytes += (end - start) * per_token
         blocks = range(start // B, end // B)
         if not blocks:
             return

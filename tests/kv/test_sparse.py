@@ -141,6 +141,12 @@ def check_working_sets(engine):
     block its head map names; each head holds min(K, complete blocks) distinct blocks."""
     sp, B, K = engine.sparse, engine.pool.block_size, engine.config.cache.top_k
     for seq in engine.scheduler.running:
+        # every complete block of the history has its summary, prefill or decode alike
+        for b in range(seq.num_computed_tokens // B):
+            host = seq.host_table[b]
+            keys = sp.host_kv[:, 0, :, host * B:(host + 1) * B]  # [L, Hkv, B, d]
+            assert torch.equal(sp.kmin[:, host], keys.amin(2))
+            assert torch.equal(sp.kmax[:, host], keys.amax(2))
         ws = seq.working_set
         if ws is None:
             continue
@@ -196,6 +202,27 @@ def test_working_set_invariants_under_random_schedules(tiny_llama, lengths, top_
         seeded = [d for d in decodes if d[3]]
         if seeded and len(seeded) == len(decodes):
             assert step.admitted <= cap * cfg.num_kv_heads * cfg.num_layers * len(seeded)
+
+
+def test_one_token_prefill_chunks_summarize_the_blocks_they_complete(tiny_llama):
+    """With a 2-token step budget and one request decoding, the other is prefilled one token
+    per step: the chunks that complete a block must still write its summary. (The exact
+    predictor makes the output independent of chunking: with lookahead, the extra decode-path
+    step of the last prompt token changes the working-set history.)"""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    long = prompts_of([40], 300, seed=5)[0]
+    sparse = dict(kv_mode="sparse", top_k=1, predictor="exact")
+    alone = run(LLM(str(tiny_llama), **sparse), [long], params)[0]
+    llm = LLM(str(tiny_llama), max_num_batched_tokens=2, **sparse)
+    e = llm.engine
+    e.add_request([3, 4], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    rid = e.add_request(long, params)
+    outs = {}
+    while e.has_unfinished():
+        for o in e.step():
+            outs[o.request_id] = o
+        check_working_sets(e)
+    assert outs[rid].token_ids == alone.token_ids
 
 
 def test_small_budgets_make_requests_wait_and_lose_nothing(tiny_llama):
