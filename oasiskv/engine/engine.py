@@ -16,7 +16,7 @@ from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import BlockPool, KVAllocator
 from oasiskv.kv.residency import SparseKV
-from oasiskv.layers.sampler import sample, sample_one, verify_draft
+from oasiskv.layers.sampler import sample, verify_draft
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import load_checkpoint
 from oasiskv.models.registry import resolve_model
@@ -215,7 +215,8 @@ class LLMEngine:
             seq.num_computed_tokens += 1
             self.counters["decode_tokens"] += 1
             self.counters["spec_accepted"] += 1
-            self._append(seq, self._sample_safely(seq, draft_row[0]), now)
+            self._append(seq, sample(draft_row[:1], [seq.params], [self._generator(seq)])[0],
+                         now)
         if self.drafter is None or seq.is_finished:
             return
         prev = seq.draft_tokens[0] if seq.draft_tokens else None
@@ -235,23 +236,19 @@ class LLMEngine:
         plain = [i for i, v in enumerate(verify) if not v]
         out: list[tuple[int | Exception, bool]] = [(0, False)] * len(seqs)
         sampled = sample(logits[plain], [seqs[i].params for i in plain],
-                         [seqs[i].generator or self.default_generator for i in plain])
+                         [self._generator(seqs[i]) for i in plain])
         for i, token in zip(plain, sampled, strict=True):
             out[i] = (token, False)
         for i in (i for i, v in enumerate(verify) if v):
             s = seqs[i]
             try:
-                out[i] = verify_draft(logits[i], s.draft_tokens[0], s.params,
-                                      s.generator or self.default_generator)
+                out[i] = verify_draft(logits[i], s.draft_tokens[0], s.params, self._generator(s))
             except Exception as e:  # noqa: BLE001 - reported per request
                 out[i] = (e, False)
         return out
 
-    def _sample_safely(self, seq: Sequence, logits: torch.Tensor) -> int | Exception:
-        try:
-            return sample_one(logits, seq.params, seq.generator or self.default_generator)
-        except Exception as e:  # noqa: BLE001 - reported per request
-            return e
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        return seq.generator or self.default_generator
 
     def _append(self, seq: Sequence, token: int | Exception, now: float) -> None:
         """Adds a sampled token (or fails the request with the sampling error), then checks

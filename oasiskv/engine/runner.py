@@ -111,7 +111,7 @@ class ModelRunner:
         if self.sparse is not None:
             self.sparse.commit_token(seq, pos, k, v)
             return
-        slot = seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+        slot = int(self._token_slots(seq.block_table, pos, pos + 1))
         self.device_kv[:, 0, :, slot] = k
         self.device_kv[:, 1, :, slot] = v
 

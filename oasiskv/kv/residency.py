@@ -45,7 +45,7 @@ class SparseCounters:
 @dataclass
 class _Decode:
     seq: Sequence
-    attn: SeqAttention
+    attn: SeqAttention | None  # None for a token committed after the step (accepted draft)
     pos: int  # position of the step's token
     host_ids: torch.Tensor  # [n_full] host block of each complete logical block
     slab_tokens: torch.Tensor  # [K+1] first device token slot of each slot
@@ -74,16 +74,17 @@ class SparseKV:
     def begin_step(self, decodes: list[tuple[Sequence, SeqAttention]]) -> None:
         self.step += 1
         self.last_step = SparseCounters()
-        B, K = self.cfg.block_size, self.cfg.top_k
         self._decodes = []
         for seq, attn in decodes:
-            pos = seq.num_computed_tokens
-            slab = torch.tensor(seq.block_table[:K + 1], dtype=torch.long) * B
-            d = _Decode(seq, attn, pos, torch.tensor(seq.host_table[:pos // B], dtype=torch.long),
-                        slab)
+            d = self._decode(seq, attn, seq.num_computed_tokens)
             if seq.working_set is None:
                 self._load(d)
             self._decodes.append(d)
+
+    def _decode(self, seq: Sequence, attn: SeqAttention | None, pos: int) -> _Decode:
+        K, B = self.cfg.top_k, self.cfg.block_size
+        return _Decode(seq, attn, pos, torch.tensor(seq.host_table[:pos // B], dtype=torch.long),
+                       torch.tensor(seq.block_table[:K + 1], dtype=torch.long) * B)
 
     def _load(self, d: _Decode) -> None:
         """First sparse decode step of a request: empty head map; the active block's tokens so
@@ -122,10 +123,8 @@ class SparseKV:
         self.device_kv[:, 0, :, slot] = k
         self.device_kv[:, 1, :, slot] = v
         if (pos + 1) % B == 0:
-            d = _Decode(seq, None, pos, torch.tensor(seq.host_table[:pos // B]),
-                        torch.tensor(seq.block_table[:K + 1]) * B)
             before = self.last_step.d2h_bytes
-            self._fill(d, pos // B)
+            self._fill(self._decode(seq, None, pos), pos // B)
             self.counters.d2h_bytes += self.last_step.d2h_bytes - before
 
     def _fill(self, d: _Decode, block: int) -> None:
