@@ -11,6 +11,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -161,7 +162,8 @@ class SpecConfig:
     """Draft tokens: the lookahead predictor's queries, and optionally speculative decoding."""
 
     drafter: str = _field(
-        "resync", f"where draft tokens come from: {DRAFTERS} (resync: best measured recall)")
+        "resync", f"where draft tokens come from: {DRAFTERS} (resync: best measured recall of "
+        "the training-free ones), or eagle:DIR, a head made by `oasiskv train-drafter`")
     draft_model: str | None = _field(
         None, "drafter=model: a small model sharing the tokenizer (alias, HF dir or .gguf)")
     num_drafts: int = _field(
@@ -171,8 +173,14 @@ class SpecConfig:
         "tokens (rejection sampling keeps the output distribution unchanged)")
 
     def __post_init__(self) -> None:
-        if self.drafter not in DRAFTERS:
-            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if self.drafter.startswith("eagle:"):
+            head = Path(self.drafter.removeprefix("eagle:"))
+            if not (head / "config.json").is_file():
+                raise ValueError(f"drafter {self.drafter!r}: {head} holds no trained head "
+                                 "(config.json); make one with `oasiskv train-drafter`")
+        elif self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {DRAFTERS} or eagle:DIR, "
+                             f"got {self.drafter!r}")
         if self.drafter == "model" and not self.draft_model:
             raise ValueError("drafter 'model' needs draft_model (a model alias, HF directory or "
                              ".gguf file sharing the target's tokenizer)")

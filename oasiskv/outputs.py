@@ -15,3 +15,4 @@ class RequestOutput:
     metrics: RequestMetrics
     stop_reason: str | int | None = None  # the stop string or token that ended it
     error: str | None = None
+    logprobs: list[float] | None = None  # per generated token, when the request asked

@@ -15,6 +15,10 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: bool = False  # report each output token's log-probability (of the raw logits)
+    # Teacher forcing: emit these tokens first instead of sampling (with logprobs, this scores
+    # a given continuation through the decode path; evaluation uses it for perplexity).
+    forced_tokens: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -25,6 +29,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if len(self.forced_tokens) > self.max_tokens:
+            raise ValueError(f"{len(self.forced_tokens)} forced tokens exceed max_tokens "
+                             f"{self.max_tokens}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]

@@ -69,3 +69,39 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model_dir(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+MARKOV_CHUNK = 48
+
+
+def markov_corpus(num: int, seed: int) -> list[list[int]]:
+    """Token ids from a small 'language': an order-2 Markov chain over 60 ids, so a learner
+    can beat the unigram guess."""
+    g = torch.Generator().manual_seed(99)
+    table = torch.randint(3, 63, (60, 60, 3), generator=g)  # 3 likely successors per context
+    rng = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num):
+        ids = [3, 4]
+        while len(ids) < MARKOV_CHUNK:
+            choice = int(torch.randint(0, 3, (1,), generator=rng))
+            ids.append(int(table[ids[-2] - 3, ids[-1] - 3, choice]))
+        out.append(ids)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle(tiny_llama, tmp_path_factory) -> tuple[Path, dict]:
+    """An EAGLE-style head trained for tiny_llama on markov_corpus: (its directory, figures)."""
+    from oasiskv.config import EngineConfig
+    from oasiskv.engine.engine import LLMEngine
+    from oasiskv.spec.train import TrainSpec, run
+
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("eagle")
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama)))
+    spec = TrainSpec(model=str(tiny_llama), out=out, chunk=MARKOV_CHUNK, epochs=12, batch=4,
+                     lr=3e-3, draft_vocab=256, shard_chunks=16, quiet=True)
+    result = run(engine, spec, aux_layers=[0, 1],
+                 chunks=(markov_corpus(96, 1), markov_corpus(16, 2)))
+    return out, result

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from oasiskv.config import CacheConfig, EngineConfig, ModelConfig
-from oasiskv.engine.runner import ModelRunner, allocate_kv
+from oasiskv.engine.runner import ModelRunner, allocate_kv, is_decode
 from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import BlockPool, KVAllocator
@@ -68,7 +68,9 @@ class LLMEngine:
         if lookahead or self.speculative:
             self.drafter = make_drafter(
                 config.spec.drafter, config.spec.draft_model, mc.vocab_size,
-                dtype=config.dtype, device=config.device, device_kv_budget="1GiB")
+                target=model, dtype=config.dtype, device=config.device,
+                device_kv_budget="1GiB")
+            self.runner.aux_layers = self.drafter.feature_layers
         self.scheduler.extra_decode_slots = int(self.speculative)
         self.runner.keep_draft_kv = self.speculative
         self.step_log: deque[dict] = deque(maxlen=100_000)  # per-step figures, newest last
@@ -112,8 +114,10 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
-                      request_id: str | None = None) -> Sequence:
-        """Validates a request at the boundary; nothing is queued yet."""
+                      request_id: str | None = None,
+                      prefix_kv: torch.Tensor | None = None) -> Sequence:
+        """Validates a request at the boundary; nothing is queued yet. `prefix_kv` (from
+        `compute_prefix_kv` of an engine with the same model) spares prefilling a prefix."""
         params = params or SamplingParams()
         if isinstance(prompt, str) and not prompt:
             raise ValueError("prompt is empty")  # before a tokenizer adds BOS to it
@@ -138,9 +142,47 @@ class LLMEngine:
         request_id = request_id or str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        bad = [t for t in params.forced_tokens
+               if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"forced tokens {bad[:5]} are outside the vocabulary")
+        if prefix_kv is not None:
+            prefix_kv = self._check_prefix_kv(prefix_kv, len(ids))
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        return Sequence(request_id, ids, len(ids), params, prompt=text, generator=gen,
-                        max_context=max_context)
+        seq = Sequence(request_id, ids, len(ids), params, prompt=text, generator=gen,
+                       max_context=max_context, prefix_kv=prefix_kv)
+        if prefix_kv is not None:
+            seq.num_computed_tokens = prefix_kv.shape[3]
+        return seq
+
+    def _check_prefix_kv(self, kv: torch.Tensor, num_prompt_tokens: int) -> torch.Tensor:
+        mc = self.model_config
+        want = (mc.num_layers, 2, mc.num_kv_heads, mc.head_dim)
+        if kv.dim() != 5 or (*kv.shape[:3], kv.shape[4]) != want:
+            raise ValueError(f"prefix_kv has shape {tuple(kv.shape)}; this model's is "
+                             f"[{want[0]}, 2, {want[2]}, n, {want[3]}]")
+        if not 0 < kv.shape[3] < num_prompt_tokens:
+            raise ValueError(f"prefix_kv covers {kv.shape[3]} tokens; it must cover 1 to "
+                             f"{num_prompt_tokens - 1} (the last prompt token is computed to "
+                             "sample the first output)")
+        return kv.to(self.runner.device_kv.dtype)
+
+    @torch.inference_mode()
+    def compute_prefix_kv(self, ids: list[int]) -> torch.Tensor:
+        """Prefills `ids` outside the scheduler and returns their K/V [L, 2, Hkv, n, d]
+        (dense attention, chunks of max_num_batched_tokens), for `add_request(prefix_kv=)`
+        of this or another engine with the same model: prefill once, decode many ways."""
+        seq = self.make_sequence(list(ids) + [0], SamplingParams(max_tokens=1))
+        chunk = self.config.scheduler.max_num_batched_tokens
+        try:
+            for start in range(0, len(ids), chunk):
+                n = min(chunk, len(ids) - start)
+                self.kv.grow(seq, start + n)
+                self.runner.run([(seq, n)], [])
+                seq.num_computed_tokens += n
+            return self.runner.read_kv(seq, len(ids))
+        finally:
+            self.kv.free(seq)
 
     def add_sequence(self, seq: Sequence) -> str:
         seq.metrics.num_prompt_tokens = seq.num_prompt_tokens
@@ -149,8 +191,9 @@ class LLMEngine:
         return seq.request_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        return self.add_sequence(self.make_sequence(prompt, params, request_id))
+                    request_id: str | None = None,
+                    prefix_kv: torch.Tensor | None = None) -> str:
+        return self.add_sequence(self.make_sequence(prompt, params, request_id, prefix_kv))
 
     def abort(self, request_id: str) -> None:
         seq = self.requests.get(request_id)
@@ -173,11 +216,13 @@ class LLMEngine:
         samplers = [(seq, row) for (seq, n), row in zip(batch, self._last_rows(batch), strict=True)
                     if seq.num_computed_tokens + n == seq.num_tokens]
         try:
-            logits, draft_logits = self.runner.run(batch, [row for _, row in samplers])
+            logits, draft_logits, features = self.runner.run(batch, [row for _, row in samplers])
             for hook in self.step_hooks:
                 hook(batch)
             seqs = [seq for seq, _ in samplers]
             drafts = {id(seq): dl for (seq, _), dl in zip(batch, draft_logits, strict=True)}
+            draft_features = {id(seq): f[n:] for (seq, n), f in zip(batch, features, strict=True)
+                              if f is not None}
             tokens = self._sample(logits, seqs, drafts)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine
             return self._on_step_failure(batch, e)
@@ -185,10 +230,11 @@ class LLMEngine:
         done = time.perf_counter()
         entry = {"step": self.counters["steps"], "seqs": len(batch), "prefill_tokens": 0,
                  "decode_tokens": 0, "time_s": done - now}
-        for seq, n in batch:
+        for (seq, n), feats in zip(batch, features, strict=True):
+            if feats is not None:
+                self.drafter.observe(seq.request_id, seq.num_computed_tokens, feats[:n])
             seq.suspect = False
-            decode = n == 1 and seq.num_output_tokens > 0 and not seq.in_prefill
-            entry["decode_tokens" if decode else "prefill_tokens"] += n
+            entry["decode_tokens" if is_decode(seq, n) else "prefill_tokens"] += n
             seq.num_computed_tokens += n
         for key in ("prefill_tokens", "decode_tokens"):
             self.counters[key] += entry[key]
@@ -197,12 +243,14 @@ class LLMEngine:
         self.step_log.append(entry)
         outputs = []
         for seq, (token, accepted) in zip(seqs, tokens, strict=True):
-            self._advance(seq, token, accepted, drafts[id(seq)], done)
+            self._advance(seq, token, accepted, drafts[id(seq)], done,
+                          draft_features.get(id(seq)))
             outputs.append(self._output(seq))
         return outputs
 
     def _advance(self, seq: Sequence, token: int | Exception, accepted: bool,
-                 draft_row: torch.Tensor | None, now: float) -> None:
+                 draft_row: torch.Tensor | None, now: float,
+                 draft_features: torch.Tensor | None = None) -> None:
         """Appends the step's token(s) to a request and prepares its next drafts."""
         if draft_row is not None:
             self.counters["drafts"] += 1
@@ -212,6 +260,8 @@ class LLMEngine:
             # The first draft was this token: its K/V (computed as a draft row) is kept and
             # its row's logits give one more token this step.
             self.runner.commit_draft(seq)
+            if draft_features is not None:  # the accepted draft row's are the true ones
+                self.drafter.observe(seq.request_id, seq.num_computed_tokens, draft_features[:1])
             seq.num_computed_tokens += 1
             self.counters["decode_tokens"] += 1
             self.counters["spec_accepted"] += 1
@@ -232,13 +282,18 @@ class LLMEngine:
                 drafts: dict[int, torch.Tensor | None]) -> list[tuple[int | Exception, bool]]:
         """(token or the row's exception, whether it is an accepted draft) per sampling row.
         With speculative acceptance a request whose draft rode along verifies it instead."""
-        verify = [self.speculative and drafts[id(s)] is not None for s in seqs]
+        verify = [self.speculative and drafts[id(s)] is not None and not self._forced(s)
+                  for s in seqs]
         plain = [i for i, v in enumerate(verify) if not v]
         out: list[tuple[int | Exception, bool]] = [(0, False)] * len(seqs)
         sampled = sample(logits[plain], [seqs[i].params for i in plain],
                          [self._generator(seqs[i]) for i in plain])
         for i, token in zip(plain, sampled, strict=True):
-            out[i] = (token, False)
+            forced = self._forced(seqs[i])
+            out[i] = (forced if forced is not None else token, False)
+        for i, s in enumerate(seqs):
+            if s.params.logprobs and isinstance(out[i][0], int):
+                s.logprobs.append(float(torch.log_softmax(logits[i], -1)[out[i][0]]))
         for i in (i for i, v in enumerate(verify) if v):
             s = seqs[i]
             try:
@@ -246,6 +301,11 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - reported per request
                 out[i] = (e, False)
         return out
+
+    @staticmethod
+    def _forced(seq: Sequence) -> int | None:
+        forced = seq.params.forced_tokens
+        return forced[seq.num_output_tokens] if seq.num_output_tokens < len(forced) else None
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         return seq.generator or self.default_generator
@@ -331,7 +391,8 @@ class LLMEngine:
             request_id=seq.request_id, prompt=seq.prompt,
             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], text=seq.output_text,
             token_ids=out_ids, finished=seq.is_finished, finish_reason=seq.finish_reason,
-            metrics=seq.metrics, stop_reason=seq.stop_reason, error=seq.error)
+            metrics=seq.metrics, stop_reason=seq.stop_reason, error=seq.error,
+            logprobs=seq.logprobs[:len(out_ids)] if seq.params.logprobs else None)
 
     # ---- counters -------------------------------------------------------------------------
 

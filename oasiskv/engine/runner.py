@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from oasiskv.config import ModelConfig
@@ -22,9 +24,16 @@ def allocate_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch
 
 
 def is_decode(seq: Sequence, n: int) -> bool:
-    """A scheduled chunk of `n` tokens is a decode step: one token, and it samples (a 1-token
-    prefill chunk that leaves more of the prompt for later is prefill)."""
-    return n == 1 and not seq.in_prefill
+    """A scheduled chunk of `n` tokens is a decode step: one token after the prompt. Every
+    prompt token is prefill, also when a chunk holds only one (the last prompt token attends
+    densely however the prompt was chunked, or handed over as prefix K/V)."""
+    return n == 1 and not seq.in_prefill and seq.num_output_tokens > 0
+
+
+class StepOutput(NamedTuple):
+    logits: torch.Tensor  # [S, V] at the sample rows
+    draft_logits: list[torch.Tensor | None]  # per batch entry: [m, V] of its draft rows
+    features: list[torch.Tensor | None]  # per batch entry: [n + m, F] aux features, or None
 
 
 class ModelRunner:
@@ -32,8 +41,10 @@ class ModelRunner:
                  host_kv: torch.Tensor | None = None, sparse: SparseKV | None = None) -> None:
         self.model = model
         self.keep_draft_kv = False  # speculative acceptance: drafts' K/V may be committed
+        self.aux_layers: tuple[int, ...] = ()  # layers whose outputs a drafter reads
         self._last: tuple[dict[int, int], StepContext] | None = None
         self.device_kv = device_kv
+        self.host_kv = host_kv
         self.device = device_kv.device
         self.block_size = block_size
         self.sparse = sparse
@@ -98,6 +109,26 @@ class ModelRunner:
             self.sparse.begin_step(decodes)
         return (torch.tensor(ids, device=self.device), torch.cat(positions).to(self.device), ctx)
 
+    def _kv_home(self, seq: Sequence) -> tuple[torch.Tensor, list[int]]:
+        """The pool holding a request's history and its block table there."""
+        if self.sparse is None:
+            return self.device_kv, seq.block_table
+        return self.host_kv, seq.host_table
+
+    def write_prefix(self, seq: Sequence) -> None:
+        """Puts a request's given prefix K/V where its prefill would have written it."""
+        kv, seq.prefix_kv = seq.prefix_kv, None
+        pool, table = self._kv_home(seq)
+        n = kv.shape[3]
+        pool.index_copy_(3, self._token_slots(table, 0, n).to(pool.device), kv.to(pool.device))
+        if self.sparse is not None:
+            self.sparse.summarize_prefill(seq, 0, n)
+
+    def read_kv(self, seq: Sequence, n: int) -> torch.Tensor:
+        """K/V of a request's first n tokens, [L, 2, Hkv, n, d] (a copy)."""
+        pool, table = self._kv_home(seq)
+        return pool[:, :, :, self._token_slots(table, 0, n).to(pool.device)]
+
     @torch.inference_mode()
     def commit_draft(self, seq: Sequence) -> None:
         """The last step's first draft of `seq` was accepted: its K/V, computed as a draft row,
@@ -116,18 +147,21 @@ class ModelRunner:
         self.device_kv[:, 1, :, slot] = v
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch,
-            sample_rows: list[int]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    def run(self, batch: ScheduledBatch, sample_rows: list[int]) -> StepOutput:
         """Computes K/V for the batch's new tokens; returns logits [S, V] at `sample_rows`
-        (last row of each sequence that samples this step) and, per batch entry, the logits of
-        its draft rows [m, V] (None without drafts)."""
+        (last row of each sequence that samples this step), per batch entry the logits of its
+        draft rows [m, V] (None without drafts) and, when `aux_layers` is set, the features of
+        its rows, normal then draft."""
+        for seq, _ in batch:
+            if seq.prefix_kv is not None:
+                self.write_prefix(seq)
         input_ids, positions, ctx = self.prepare(batch)
         if self.keep_draft_kv and any(attn.draft_rows for attn in ctx.seqs):
             ctx.draft_kv = {}
             self._last = ({id(seq): i for i, (seq, _) in enumerate(batch)}, ctx)
         set_context(ctx)
         try:
-            hidden = self.model(input_ids, positions)
+            hidden = self.model(input_ids, positions, self.aux_layers)
         finally:
             set_context(None)
         if self.sparse is not None:
@@ -136,10 +170,14 @@ class ModelRunner:
                     self.sparse.summarize_prefill(seq, seq.num_computed_tokens,
                                                   seq.num_computed_tokens + n)
             self.sparse.end_step()
+        features: list[torch.Tensor | None] = [None] * len(batch)
+        if self.aux_layers:
+            hidden, aux = hidden
+            features = [aux[list(range(a.q_start, a.q_end)) + a.draft_rows] for a in ctx.seqs]
         draft_rows = [row for attn in ctx.seqs for row in attn.draft_rows]
         logits = self.model.compute_logits(hidden[sample_rows + draft_rows]).float()
         drafts, at = [], len(sample_rows)
         for attn in ctx.seqs:
             drafts.append(logits[at:at + len(attn.draft_rows)] if attn.draft_rows else None)
             at += len(attn.draft_rows)
-        return logits[:len(sample_rows)], drafts
+        return StepOutput(logits[:len(sample_rows)], drafts, features)

@@ -66,6 +66,10 @@ class Sequence:
     host_table: list[int] = field(default_factory=list)  # sparse: host blocks of the history
     working_set: object | None = None  # sparse: kv.residency.WorkingSet once decoding
     draft_tokens: list[int] = field(default_factory=list)  # guesses of the next token
+    # K/V of the first n prompt tokens computed elsewhere, [L, K/V, Hkv, n, d]: the runner
+    # writes it into the cache the first time the request runs, instead of computing it.
+    prefix_kv: torch.Tensor | None = None
+    logprobs: list[float] = field(default_factory=list)  # per output token, if asked
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
     stop_reason: str | int | None = None

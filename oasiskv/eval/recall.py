@@ -51,6 +51,7 @@ import torch
 from tqdm.auto import tqdm
 
 from oasiskv.bench.common import markdown_table, parse_list, write_json
+from oasiskv.config import SpecConfig
 from oasiskv.context import SeqAttention, set_context
 from oasiskv.data.austen import austen_text
 from oasiskv.engine.sequence import Sequence
@@ -59,7 +60,7 @@ from oasiskv.kv.blocks import is_contiguous
 from oasiskv.kv.select import block_scores, top_k_blocks
 from oasiskv.kv.summaries import summarize
 from oasiskv.sampling_params import SamplingParams
-from oasiskv.spec.drafters import make_drafter
+from oasiskv.spec.drafters import Drafter, make_drafter
 
 # (novel, character offset): each prompt starts at the first paragraph at or after the offset.
 PROMPTS: tuple[tuple[str, int], ...] = (("prideprejudice", 206_230), ("emma", 265_135),
@@ -250,14 +251,22 @@ class RecallSpec:
     steps: int = 48
     draft_context: str = "sparse"  # "sparse": E_t + active block; "dense": everything
     sync_start: bool = False  # step 0's drafts are the true x_1 (chains start in sync)
+    temperature: float = 0.0  # > 0: the trajectory is sampled (seeded), not greedy
+    seed: int = 0
 
     def __post_init__(self) -> None:
         bad = [p for p in self.predictors if p not in PREDICTORS]
         if bad or not self.predictors:
             raise ValueError(f"predictors must be among {PREDICTORS}, got {self.predictors}")
         for d in self.drafters:
-            if d != ORACLE:
+            if d.startswith("eagle:"):
+                SpecConfig(drafter=d)  # raises when the directory holds no head
+            elif d != ORACLE:
                 make_drafter(d)  # raises on an unknown name
+        if sum(d.startswith("eagle:") for d in self.drafters) > 1:
+            raise ValueError("one eagle drafter per run (its features ride on the forward)")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not self.top_ks or min(self.top_ks) <= 0:
             raise ValueError(f"top-K values must be positive, got {self.top_ks}")
         if self.steps <= 0:
@@ -270,10 +279,13 @@ class RecallSpec:
         return self.drafters if "lookahead" in self.predictors else []
 
 
-def prefill(engine, ids: list[int], max_tokens: int, bar=None) -> tuple[Sequence, float]:
-    """Prefills a prompt through the engine (chunked, dense) up to its first greedy token."""
-    seq = engine.make_sequence(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                   ignore_eos=True))
+def prefill(engine, ids: list[int], max_tokens: int, bar=None, temperature: float = 0.0,
+            seed: int = 0) -> tuple[Sequence, float]:
+    """Prefills a prompt through the engine (chunked, dense) up to its first token (greedy, or
+    sampled at `temperature` with `seed`; later engine steps continue the same way)."""
+    seq = engine.make_sequence(ids, SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+        seed=seed if temperature > 0 else None))
     engine.add_sequence(seq)
     t0 = time.perf_counter()
     while seq.num_output_tokens == 0 and not seq.is_finished:
@@ -286,8 +298,9 @@ def prefill(engine, ids: list[int], max_tokens: int, bar=None) -> tuple[Sequence
 
 
 def greedy_trajectory(engine, seq: Sequence, num: int) -> list[int]:
-    """Decodes the first `num` output tokens densely through the engine, then rewinds the
-    sequence to its state after prefill (prompt + first token, prompt KV only)."""
+    """Decodes the first `num` output tokens densely through the engine (greedy, or sampled as
+    the sequence's parameters say), then rewinds the sequence to its state after prefill
+    (prompt + first token, prompt KV only)."""
     while seq.num_output_tokens < num and not seq.is_finished:
         engine.step()
     if seq.is_finished:
@@ -299,12 +312,13 @@ def greedy_trajectory(engine, seq: Sequence, num: int) -> list[int]:
 
 
 def decode_step(engine, seq: Sequence, drafts: dict[tuple[int, str], int],
-                probe: RecallProbe | None, predict: bool = True,
-                score: bool = True) -> tuple[torch.Tensor, dict[tuple[int, str], torch.Tensor]]:
+                probe: RecallProbe | None, predict: bool = True, score: bool = True,
+                drafter: Drafter | None = None,
+                ) -> tuple[torch.Tensor, dict[tuple[int, str], torch.Tensor]]:
     """One dense decode step of `seq` (its last token) with draft rows, outside the scheduler.
     Draft rows of each K get their own SeqAttention (same rows of the normal token, its own
     draft_valid). Returns the normal row's logits [V] and each draft row's logits; the caller
-    advances the sequence."""
+    advances the sequence. A `drafter` reading target features observes the normal row's."""
     runner, model = engine.runner, engine.runner.model
     engine.kv.grow(seq, seq.num_computed_tokens + 1)
     seq.draft_tokens = list(drafts.values())
@@ -324,9 +338,12 @@ def decode_step(engine, seq: Sequence, drafts: dict[tuple[int, str], int],
     with torch.inference_mode():
         set_context(ctx)
         try:
-            hidden = model(input_ids, positions)
+            hidden = model(input_ids, positions, drafter.feature_layers if drafter else ())
         finally:
             set_context(None)
+        if drafter is not None:
+            hidden, features = hidden
+            drafter.observe(seq.request_id, seq.num_computed_tokens, features[:1])
         logits = model.compute_logits(hidden[[0, *rows.values()]]).float()
     return logits[0], {key: logits[1 + i] for i, key in enumerate(rows)}
 
@@ -339,17 +356,25 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
     (`step_recall["K/predictor[/d]"][t]`: step t's prediction of E_{t+1}) and, with record,
     every step's per-layer queries."""
     t_start = time.perf_counter()
-    seq, prefill_s = prefill(engine, ids, spec.steps + 8, bar)
+    drafters = {d: make_drafter(d, target=engine.model)
+                for d in spec.lookahead_drafters if d != ORACLE}
+    eagle = next((d for d in drafters.values() if d.feature_layers), None)
+    if eagle is not None:  # it reads the prompt's features as the engine prefills
+        engine.drafter, engine.runner.aux_layers = eagle, eagle.feature_layers
+    try:
+        seq, prefill_s = prefill(engine, ids, spec.steps + 8, bar, spec.temperature, spec.seed)
+    finally:
+        engine.drafter, engine.runner.aux_layers = None, ()
     try:
         p = seq.num_prompt_tokens
         oracle = ORACLE in spec.lookahead_drafters or (spec.sync_start
                                                         and bool(spec.lookahead_drafters))
-        trajectory = greedy_trajectory(engine, seq, spec.steps + 1) if oracle else None
+        follow = oracle or spec.temperature > 0  # measured steps follow a decoded trajectory
+        trajectory = greedy_trajectory(engine, seq, spec.steps + 1) if follow else None
         probe = RecallProbe(engine.runner.model, engine.runner.device_kv, seq,
                             engine.config.cache.block_size, spec.top_ks,
                             "previous" in spec.predictors, totals, spec.draft_context, record)
         probe.prefill_summaries(p)
-        drafters = {d: make_drafter(d) for d in spec.lookahead_drafters if d != ORACLE}
         keys = [(k, d) for k in spec.top_ks for d in spec.lookahead_drafters]
         last_logits: dict[tuple[int, str], torch.Tensor] = {}
         last_draft: dict[tuple[int, str], int] = {}
@@ -365,14 +390,16 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
                     if d == ORACLE or (t == 0 and spec.sync_start):
                         drafts[(k, d)] = trajectory[t + 1]
                     else:
-                        drafts[(k, d)] = drafters[d].propose(seq.token_ids, last_logits.get(
-                            (k, d)), last_draft.get((k, d)), 1)[0]
-            normal, draft_logits = decode_step(engine, seq, drafts, probe, predict, t > 0)
+                        drafts[(k, d)] = drafters[d].propose(
+                            seq.token_ids, last_logits.get((k, d)), last_draft.get((k, d)), 1,
+                            seq.request_id)[0]
+            normal, draft_logits = decode_step(engine, seq, drafts, probe, predict, t > 0,
+                                               eagle)
             for (k, pred, d), total in probe.step_recall.items():
                 step_recall.setdefault(f"{k}/{pred}/{d}".rstrip("/"), []).append(total / layers)
             token = int(normal.argmax())
             if trajectory is not None and t + 1 < len(trajectory):
-                totals.greedy_mismatches += token != trajectory[t + 1]
+                totals.greedy_mismatches += spec.temperature == 0 and token != trajectory[t + 1]
                 token = trajectory[t + 1]  # follow the dense trajectory the oracle reads
             if predict:
                 totals.draft_steps += 1
@@ -501,7 +528,8 @@ def run_recall_eval(args: argparse.Namespace) -> list[dict]:
     t0 = time.perf_counter()
     spec = RecallSpec(top_ks=parse_list(args.top_k), predictors=parse_list(args.predictor, str),
                       drafters=parse_list(args.drafter, str), steps=args.steps,
-                      draft_context=args.draft_context, sync_start=args.sync_start)
+                      draft_context=args.draft_context, sync_start=args.sync_start,
+                      temperature=args.temperature, seed=args.seed)
     kwargs = {"model": args.model, "dtype": args.dtype, "kv_mode": "dense",
               "block_size": args.block_size}
     if args.num_threads:
@@ -513,11 +541,14 @@ def run_recall_eval(args: argparse.Namespace) -> list[dict]:
     elapsed = time.perf_counter() - t0
     totals = result["totals"]
     cfg = llm.engine.model_config
+    trajectory = (f"sampled at T={spec.temperature} (seed {spec.seed})" if spec.temperature
+                  else "greedy")
     print(f"\n## next-step block recall, {args.model} ({cfg.num_layers} layers, "
           f"{cfg.num_kv_heads} KV heads), {len(prompts)} prompts x {args.context} tokens, "
           f"{spec.steps} scored steps, B={args.block_size}, drafts over the "
           f"{spec.draft_context} set, draft chains started "
-          f"{'in sync (step 0: true x_1)' if spec.sync_start else 'cold'}\n")
+          f"{'in sync (step 0: true x_1)' if spec.sync_start else 'cold'}, "
+          f"trajectory {trajectory}\n")
     print(markdown_table(rows, COLUMNS))
     print(f"\nrecall = |predicted ∩ exact next-step top-K| / K (mean over layers, KV heads, "
           f"steps, prompts); attn mass = share of the next token's attention over complete "
@@ -527,6 +558,7 @@ def run_recall_eval(args: argparse.Namespace) -> list[dict]:
                "context": args.context, "steps": spec.steps, "block_size": args.block_size,
                "top_k": spec.top_ks, "predictors": spec.predictors, "drafters": spec.drafters,
                "draft_context": spec.draft_context, "sync_start": spec.sync_start,
+               "temperature": spec.temperature, "seed": spec.seed,
                "num_layers": cfg.num_layers,
                "threads": torch.get_num_threads(), "greedy_mismatches": totals.greedy_mismatches,
                "time_s": elapsed, "prompts": result["prompts"], "rows": rows}

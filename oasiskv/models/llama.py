@@ -74,11 +74,18 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Final hidden states [N, D]; with aux_layers also the outputs of those layers
+        concatenated, [N, len(aux_layers) * D] (the features an EAGLE-style drafter reads)."""
         x = self.embed_tokens(input_ids)  # [N, D]
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
             x = layer(positions, x)
-        return self.norm(x)
+            if i in aux_layers:
+                aux.append(x)
+        hidden = self.norm(x)
+        return (hidden, torch.cat(aux, dim=-1)) if aux_layers else hidden
 
 
 class LlamaForCausalLM(nn.Module):
@@ -90,10 +97,12 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states [N, D] for a flattened batch of tokens; logits are separate so that
-        only the positions that sample pay for the vocabulary projection."""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Hidden states [N, D] for a flattened batch of tokens (and aux features, see
+        LlamaModel); logits are separate so that only the positions that sample pay for the
+        vocabulary projection."""
+        return self.model(input_ids, positions, aux_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -8,9 +8,13 @@ along with x_{t+1} in step t+1; the draft's per-layer queries then predict step 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from oasiskv.models.llama import LlamaForCausalLM
+from oasiskv.spec.eagle import load_head
 
 if TYPE_CHECKING:
     from oasiskv.engine.sequence import Sequence
@@ -18,6 +22,9 @@ if TYPE_CHECKING:
 
 class Drafter(ABC):
     name: str
+    # Target layers whose outputs the drafter reads; the engine then calls observe() with the
+    # features of every position it computes.
+    feature_layers: tuple[int, ...] = ()
 
     @abstractmethod
     def propose(self, tokens: list[int], draft_logits: torch.Tensor | None,
@@ -29,6 +36,10 @@ class Drafter(ABC):
         prev_draft: that draft token (compare with tokens[-1] to know if it was right);
         request_id: for drafters that keep state per request.
         """
+
+    def observe(self, request_id: str, start: int,  # noqa: B027 - optional
+                features: torch.Tensor) -> None:
+        """Features [n, F] of `feature_layers` at positions start..start+n-1 of a request."""
 
     def release(self, request_id: str) -> None:  # noqa: B027 - optional: stateless by default
         """The request ended: drop whatever state the drafter keeps for it."""
@@ -121,7 +132,7 @@ class ModelDrafter(Drafter):
         seq.token_ids[:] = tokens  # its KV covers only true tokens, so the prefix matches
         new = len(tokens) - seq.num_computed_tokens
         self.engine.kv.grow(seq, len(tokens))
-        logits, _ = self.engine.runner.run([(seq, new)], [new - 1])
+        logits = self.engine.runner.run([(seq, new)], [new - 1]).logits
         seq.num_computed_tokens = len(tokens)
         return torch.topk(logits[0], num).indices.tolist()
 
@@ -131,14 +142,83 @@ class ModelDrafter(Drafter):
             self.engine.kv.free(seq)
 
 
+@dataclass
+class _HeadState:
+    features: torch.Tensor  # [n, F] the target's, at positions feature_start..
+    feature_start: int
+    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the head's own
+    next_row: int = 0  # head rows < next_row are computed
+    logits: torch.Tensor | None = None  # [Vd] of row next_row - 1: guesses x_{next_row}
+
+    @property
+    def feature_end(self) -> int:
+        return self.feature_start + len(self.features)
+
+
+class EagleDrafter(Drafter):
+    """A trained EAGLE-style head (`spec/eagle.py`): row p reads x_p and the target's features
+    at p-1 and guesses x_{p+1}. Falls back to prompt lookup while it has no features."""
+
+    name = "eagle"
+
+    def __init__(self, path: str, target: LlamaForCausalLM) -> None:
+        self.head = load_head(path, target)
+        self.window = self.head.config.window
+        self.feature_layers = tuple(self.head.config.aux_layers)
+        self.states: dict[str, _HeadState] = {}
+
+    def observe(self, request_id, start, features):
+        st = self.states.get(request_id)
+        if st is not None and start == st.feature_end:  # continues what the head has seen
+            start, features = st.feature_start, torch.cat([st.features, features])
+        else:  # a new request, or one recomputed after preemption
+            st = self.states[request_id] = _HeadState(features, start)
+        st.features = features[-(self.window + 1):]  # later rows need only these
+        st.feature_start = start + len(features) - len(st.features)
+        st.next_row = max(st.next_row, st.feature_start + 1)
+
+    @torch.inference_mode()
+    def propose(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
+        st = self.states.get(request_id)
+        if st is not None:
+            first = max(st.next_row, st.feature_start + 1, len(tokens) - self.window)
+            last = min(st.feature_end, len(tokens) - 1)  # needs f_{p-1} and x_p
+            if first <= last:
+                self._run(st, tokens, first, last)
+        if st is None or st.logits is None or st.next_row != len(tokens):
+            return NgramDrafter().propose(tokens, None, prev_draft, num)
+        return self.head.d2t[torch.topk(st.logits, num).indices].tolist()
+
+    def _run(self, st: _HeadState, tokens: list[int], first: int, last: int) -> None:
+        positions = torch.arange(first, last + 1)
+        ids = torch.tensor(tokens[first:last + 1])[None]  # [1, S]
+        feats = st.features[first - 1 - st.feature_start:last - st.feature_start][None]
+        past = st.kv
+        if past is not None and past[2][-1] != first - 1:  # rows skipped: start afresh
+            past = None
+        hidden, (k, v, kpos) = self.head(ids, feats, positions, past)
+        keep = kpos > last + 1 - self.window  # what later rows can still see
+        st.kv = (k[:, keep], v[:, keep], kpos[keep])
+        st.next_row = last + 1
+        st.logits = self.head.logits(hidden[0, -1])
+
+    def release(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+
 DRAFTERS: dict[str, type[Drafter]] = {d.name: d for d in (SelfDrafter, NgramDrafter,
                                                            ResyncDrafter, ModelDrafter)}
 
 
 def make_drafter(name: str, draft_model: str | None = None, vocab_size: int = 0,
-                 **engine_kwargs) -> Drafter:
+                 target: LlamaForCausalLM | None = None, **engine_kwargs) -> Drafter:
+    """`name` is a drafter of DRAFTERS or `eagle:DIR` (a head trained for the target)."""
+    if name.startswith("eagle:"):
+        if target is None:
+            raise ValueError("an eagle drafter reads the target model's features: pass target")
+        return EagleDrafter(name.removeprefix("eagle:"), target)
     if name not in DRAFTERS:
-        raise ValueError(f"unknown drafter {name!r}; known: {sorted(DRAFTERS)}")
+        raise ValueError(f"unknown drafter {name!r}; known: {sorted(DRAFTERS)} or eagle:DIR")
     if name == "model":
         if not draft_model:
             raise ValueError("drafter 'model' needs draft_model (a model alias, HF directory "

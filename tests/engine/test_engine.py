@@ -136,9 +136,9 @@ def test_chunked_prefill_equals_unchunked_and_transformers(model, hf):
         run = llm.engine.runner.run
 
         def capture(batch, rows, run=run, captured=captured):
-            logits, drafts = run(batch, rows)
-            captured.append((len(rows), logits.clone()))
-            return logits, drafts
+            out = run(batch, rows)
+            captured.append((len(rows), out.logits.clone()))
+            return out
 
         llm.engine.runner.run = capture
         out = gen(llm, [prompt])[0]

@@ -237,3 +237,37 @@ def test_cli_end_to_end_writes_json_and_plot(tiny_llama, tmp_path, monkeypatch, 
     assert all(r["draft_accuracy"] == 1.0 for r in data["rows"] if r["drafter"] == "oracle")
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| K | predictor | drafter | recall |" in out.out
+
+
+def test_eagle_drafter_reads_the_prompt_and_each_steps_features(llm, tiny_eagle):
+    """The eagle row's drafts are the head's batch forward over the measured trajectory, so
+    the prompt's features (from the engine's prefill) and every step's reach it."""
+    from oasiskv.spec.drafters import make_drafter
+    from oasiskv.spec.train import target_features
+
+    head_dir, _ = tiny_eagle
+    spec = RecallSpec([2], ["lookahead"], [f"eagle:{head_dir}"], steps=6)
+    ids = prompt_ids(100)
+    result = run_recall(llm, [{"ids": ids}], spec, progress=False)
+    out = result["prompts"][0]
+    drafts = out["drafts"][f"2/eagle:{head_dir}"]
+    tokens = ids + out["output_ids"]
+    head = make_drafter(f"eagle:{head_dir}", target=llm.engine.model).head
+    feats = target_features(llm.engine, tokens, tuple(head.config.aux_layers), False)["features"]
+    p = len(ids)
+    hidden, _ = head(torch.tensor(tokens[1:])[None], feats[None, :-1].float(),
+                     torch.arange(1, len(tokens)))
+    batch = head.d2t[head.logits(hidden[0]).argmax(-1)].tolist()  # batch[q-1] guesses x_{q+1}
+    assert drafts == batch[p - 1:p - 1 + len(drafts)]
+
+
+def test_sampled_trajectory_is_seeded(llm):
+    def trajectory(seed):
+        spec = RecallSpec([2], ["previous"], [], steps=8, temperature=1.5, seed=seed)
+        return run_recall(llm, [{"ids": prompt_ids()}], spec, progress=False)[
+            "prompts"][0]["output_ids"]
+
+    greedy = run_recall(llm, [{"ids": prompt_ids()}], RecallSpec([2], ["previous"], [], steps=8),
+                        progress=False)["prompts"][0]["output_ids"]
+    assert trajectory(1) == trajectory(1)
+    assert trajectory(1) != trajectory(2) or trajectory(1) != greedy

@@ -23,16 +23,16 @@ def test_oracle_draft_logits_equal_the_next_steps_and_normal_is_unchanged(tiny_l
         temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0].token_ids
 
     plain, seq0 = prefilled(tiny_llama, prompt, **mode)
-    base, _ = plain.engine.runner.run([(seq0, 1)], [0])  # no drafts
+    base = plain.engine.runner.run([(seq0, 1)], [0]).logits  # no drafts
     seq0.num_computed_tokens += 1
     seq0.token_ids.append(ref[1])
-    next_step, _ = plain.engine.runner.run([(seq0, 1)], [0])  # dense truth of step t+1
+    next_step = plain.engine.runner.run([(seq0, 1)], [0]).logits  # dense truth of step t+1
 
     llm, seq = prefilled(tiny_llama, prompt, **mode)
     seq.draft_tokens = [ref[1], 7, 11]  # the oracle draft and two others
     sparse = llm.engine.sparse
     kv_before = (sparse.host_kv if sparse else llm.engine.runner.device_kv).clone()
-    logits, drafts = llm.engine.runner.run([(seq, 1)], [0])
+    logits, drafts, _ = llm.engine.runner.run([(seq, 1)], [0])
     torch.testing.assert_close(logits, base, atol=1e-5, rtol=1e-5)  # normal row unchanged
     torch.testing.assert_close(drafts[0][0], next_step[0], atol=1e-4, rtol=1e-4)
     assert drafts[0].shape[0] == 3

@@ -50,7 +50,7 @@ def run_chunks(model, tokens, chunks, num_blocks=64, scatter=False):
         if scatter:  # take the block after ours: the table fragments -> gather path
             pool.grow([seq.block_table[-1]], 32)
         rows = list(range(n))
-        logits.append(runner.run([(seq, n)], rows)[0])
+        logits.append(runner.run([(seq, n)], rows).logits)
         seq.num_computed_tokens = end
     return torch.cat(logits), seq.block_table
 

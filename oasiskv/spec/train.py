@@ -1,0 +1,268 @@
+"""`oasiskv train-drafter`: trains an EAGLE-style head (`spec/eagle.py`) for a target model.
+
+1. Features: the target runs over chunks of text (Austen novels, one held out) and, per
+   position, its aux-layer outputs, its greedy next token and (held-out only) its top
+   log-probabilities at T=0.7 are written to safetensors shards under OUT/features. Shards
+   that exist are reused, so an interrupted run resumes where it stopped.
+2. Training: row p of a chunk reads x_p and the features at p-1 and learns the target's greedy
+   token at p (its guess of x_{p+1}), cross-entropy over a draft vocabulary (the target's
+   most frequent greedy tokens in the training text; others are ignored in the loss and count
+   as misses in the accuracy).
+3. Held-out accuracy: greedy (draft == target's greedy token) and sampled (the target's
+   T=0.7 probability of the draft: the expected acceptance of sampled decoding), next to the
+   unigram baseline (always the most frequent greedy token).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from oasiskv.spec.eagle import EagleConfig, EagleHead
+
+SAMPLE_TEMPERATURE = 0.7
+TOP_LOGPROBS = 32  # held-out: enough of the T=0.7 distribution to score sampled drafts
+
+
+@dataclass
+class TrainSpec:
+    model: str
+    out: Path
+    data: str = "austen"
+    heldout: str = "persuasion"  # the novel kept out of training
+    tokens: int = 400_000  # training tokens
+    heldout_tokens: int = 32_768
+    chunk: int = 1024  # tokens per target forward = the head's attention window
+    shard_chunks: int = 8  # chunks per feature shard
+    epochs: int = 4
+    batch: int = 4  # chunks per optimiser step
+    lr: float = 1e-3
+    draft_vocab: int = 8192
+    seed: int = 0
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        for name in ("tokens", "heldout_tokens", "chunk", "epochs", "batch", "draft_vocab",
+                     "shard_chunks"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.chunk < 2:
+            raise ValueError(f"chunk must be at least 2 tokens, got {self.chunk}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+
+
+# ---- text -------------------------------------------------------------------------------------
+
+def text_chunks(spec: TrainSpec, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    """(training chunks, held-out chunks) of `spec.chunk` token ids each. Training chunks are
+    taken round-robin over the novels so that a small --tokens still sees all of them."""
+    if spec.data != "austen":
+        raise ValueError(f"unknown data {spec.data!r}; known: austen")
+    from oasiskv.data.austen import NOVELS, austen_text
+
+    if spec.heldout not in NOVELS:
+        raise ValueError(f"held-out novel {spec.heldout!r} is not one of {NOVELS}")
+
+    def chunks_of(novel: str) -> list[list[int]]:
+        ids = tokenizer.encode(austen_text(novel), add_special_tokens=False)
+        return [ids[i:i + spec.chunk] for i in range(0, len(ids) - spec.chunk + 1, spec.chunk)]
+
+    per_novel = [chunks_of(n) for n in NOVELS if n != spec.heldout]
+    train: list[list[int]] = []
+    for group in zip(*per_novel, strict=False):
+        train += group
+    train += [c for chunks in per_novel for c in chunks[min(map(len, per_novel)):]]
+    want = math.ceil(spec.tokens / spec.chunk)
+    if len(train) < want:
+        raise ValueError(f"--tokens {spec.tokens}: the training novels hold only "
+                         f"{len(train) * spec.chunk} tokens")
+    heldout = chunks_of(spec.heldout)[:math.ceil(spec.heldout_tokens / spec.chunk)]
+    return train[:want], heldout
+
+
+# ---- features ---------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def target_features(engine, ids: list[int], aux_layers: tuple[int, ...],
+                    heldout: bool) -> dict[str, torch.Tensor]:
+    """One chunk through the target (dense, positions 0..n-1): per position its features,
+    greedy next token and, for held-out chunks, top log-probs at T=0.7."""
+    from oasiskv.sampling_params import SamplingParams
+
+    seq = engine.make_sequence(ids, SamplingParams(max_tokens=1))
+    engine.kv.grow(seq, len(ids))
+    runner = engine.runner
+    runner.aux_layers, saved = aux_layers, runner.aux_layers
+    try:
+        out = runner.run([(seq, len(ids))], list(range(len(ids))))
+    finally:
+        runner.aux_layers = saved
+        engine.kv.free(seq)
+    features = out.features[0]
+    if not torch.isfinite(features).all() or features.abs().max() > 6e4:
+        raise RuntimeError("target features overflow fp16; store them in fp32")
+    row = {"tokens": torch.tensor(ids, dtype=torch.int32),
+           "features": features.half(),  # [n, F]
+           "greedy": out.logits.argmax(-1).int()}  # [n]
+    if heldout:
+        logp = torch.log_softmax(out.logits / SAMPLE_TEMPERATURE, dim=-1)
+        top = logp.topk(TOP_LOGPROBS, dim=-1)
+        row.update(top_ids=top.indices.int(), top_logp=top.values)
+    return row
+
+
+def collect(engine, spec: TrainSpec, name: str, chunks: list[list[int]],
+            aux_layers: tuple[int, ...]) -> list[Path]:
+    """Writes (or finds) the feature shards of `chunks`; returns their paths in order."""
+    folder = spec.out / "features"
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"model": spec.model, "aux_layers": list(aux_layers), "chunk": spec.chunk,
+            "heldout": spec.heldout, "shard_chunks": spec.shard_chunks}
+    meta_file = folder / "meta.json"
+    if meta_file.is_file() and json.loads(meta_file.read_text()) != meta:
+        raise ValueError(f"{folder} holds features of another setting "
+                         f"({meta_file.read_text().strip()}); use another --out or remove it")
+    meta_file.write_text(json.dumps(meta))
+    paths = []
+    groups = [chunks[i:i + spec.shard_chunks] for i in range(0, len(chunks), spec.shard_chunks)]
+    bar = tqdm(total=len(chunks) * spec.chunk, desc=f"features {name}", unit="tok",
+               disable=spec.quiet or None)
+    for i, group in enumerate(groups):
+        path = folder / f"{name}_{i:05d}.safetensors"
+        if not path.is_file():
+            rows = [target_features(engine, ids, aux_layers, name == "heldout") for ids in group]
+            tmp = path.with_suffix(".tmp")
+            save_file({k: torch.stack([r[k] for r in rows]).contiguous() for k in rows[0]},
+                      str(tmp))
+            tmp.replace(path)  # atomic: a shard is either whole or absent
+        paths.append(path)
+        bar.update(len(group) * spec.chunk)
+    bar.close()
+    return paths
+
+
+def load_shards(paths: list[Path]) -> dict[str, torch.Tensor]:
+    shards = [load_file(str(p)) for p in paths]
+    return {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
+
+
+# ---- training ---------------------------------------------------------------------------------
+
+def draft_vocabulary(greedy: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` most frequent target greedy tokens, most frequent first."""
+    ids, counts = greedy.flatten().long().unique(return_counts=True)
+    return ids[counts.argsort(descending=True)[:size]]
+
+
+def head_inputs(data: dict[str, torch.Tensor], index: torch.Tensor):
+    """Row p = 1..S-1 of each chunk: token x_p, features at p-1, target's greedy token at p."""
+    tokens = data["tokens"][index, 1:].long()
+    features = data["features"][index, :-1].float()
+    return tokens, features, data["greedy"][index, 1:].long()
+
+
+def labels_in_draft_vocab(greedy: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    return t2d[greedy]  # -100 where the target token is outside the draft vocabulary
+
+
+def train_head(head: EagleHead, data: dict[str, torch.Tensor], spec: TrainSpec) -> list[float]:
+    """AdamW, linear warm-up then cosine decay; returns the loss of every step."""
+    t2d = torch.full((head.config.vocab_size,), -100, dtype=torch.long)
+    t2d[head.d2t] = torch.arange(len(head.d2t))
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=0.0)
+    n = len(data["tokens"])
+    steps_per_epoch = math.ceil(n / spec.batch)
+    total = steps_per_epoch * spec.epochs
+    warmup = max(1, total // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(
+        (s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
+    gen = torch.Generator().manual_seed(spec.seed)
+    positions = torch.arange(1, data["tokens"].shape[1])
+    losses = []
+    bar = tqdm(total=total, desc="train", disable=spec.quiet or None)
+    head.train()
+    for _ in range(spec.epochs):
+        order = torch.randperm(n, generator=gen)
+        for i in range(0, n, spec.batch):
+            tokens, features, greedy = head_inputs(data, order[i:i + spec.batch])
+            hidden, _ = head(tokens, features, positions)
+            loss = F.cross_entropy(head.logits(hidden).flatten(0, 1),
+                                   labels_in_draft_vocab(greedy, t2d).flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    bar.close()
+    head.eval()
+    return losses
+
+
+@torch.inference_mode()
+def evaluate(head: EagleHead, data: dict[str, torch.Tensor], batch: int = 4) -> dict:
+    """Held-out figures: greedy accuracy, sampled (T=0.7) acceptance, and the unigram
+    baseline's greedy accuracy."""
+    positions = torch.arange(1, data["tokens"].shape[1])
+    right = sampled = rows = 0.0
+    for i in range(0, len(data["tokens"]), batch):
+        index = torch.arange(i, min(i + batch, len(data["tokens"])))
+        tokens, features, greedy = head_inputs(data, index)
+        hidden, _ = head(tokens, features, positions)
+        draft = head.d2t[head.logits(hidden).argmax(-1)]  # [b, S-1] target ids
+        right += (draft == greedy).sum().item()
+        if "top_ids" in data:
+            hit = data["top_ids"][index, 1:].long() == draft[..., None]  # [b, S-1, T]
+            sampled += (data["top_logp"][index, 1:].exp() * hit).sum().item()
+        rows += draft.numel()
+    greedy = data["greedy"][:, 1:].flatten().long()
+    top = greedy.mode().values
+    return {"greedy_accuracy": right / rows,
+            "sampled_accuracy": sampled / rows if "top_ids" in data else None,
+            "unigram_accuracy": (greedy == top).float().mean().item(), "rows": int(rows)}
+
+
+def run(engine, spec: TrainSpec, aux_layers: list[int] | None = None,
+        chunks: tuple[list[list[int]], list[list[int]]] | None = None) -> dict:
+    """The whole job on an engine holding the target; saves the head to spec.out.
+    `chunks` (training, held-out token ids) replaces the text of `spec.data`."""
+    torch.manual_seed(spec.seed)
+    t0 = time.perf_counter()
+    train_chunks, heldout_chunks = chunks or text_chunks(spec, engine.tokenizer)
+    mc = engine.model_config
+    probe = EagleConfig.for_target(spec.model, mc, spec.draft_vocab, aux_layers, spec.chunk)
+    layers = tuple(probe.aux_layers)
+    train_paths = collect(engine, spec, "train", train_chunks, layers)
+    heldout_paths = collect(engine, spec, "heldout", heldout_chunks, layers)
+    t_features = time.perf_counter() - t0
+    data = load_shards(train_paths)
+    d2t = draft_vocabulary(data["greedy"], spec.draft_vocab)
+    cfg = EagleConfig.for_target(spec.model, mc, len(d2t), list(layers), spec.chunk)
+    target = engine.model
+    head = EagleHead(cfg, target.model.embed_tokens.weight, target.lm_head.weight, d2t)
+    losses = train_head(head, data, spec)
+    t_train = time.perf_counter() - t0 - t_features
+    result = {"heldout": evaluate(head, load_shards(heldout_paths)),
+              "train_last": evaluate(head, {k: v[-len(heldout_chunks):] for k, v in
+                                            data.items()}),
+              "loss_first": losses[0], "loss_last": sum(losses[-10:]) / len(losses[-10:]),
+              "steps": len(losses), "train_tokens": len(train_chunks) * spec.chunk,
+              "heldout_tokens": len(heldout_chunks) * spec.chunk, "draft_vocab": len(d2t),
+              "aux_layers": list(layers), "features_s": t_features, "train_s": t_train,
+              "spec": {k: str(v) for k, v in asdict(spec).items()}}
+    head.save(spec.out)
+    (spec.out / "train_result.json").write_text(json.dumps(result, indent=1))
+    return result

@@ -1,0 +1,134 @@
+"""The EAGLE-style head: training learns the target's greedy tokens, saved heads load back
+identically, incremental drafting equals the training-time forward, and the engine runs with
+`drafter=eagle:DIR` (lookahead and speculative acceptance)."""
+
+
+import pytest
+import torch
+from conftest import markov_corpus as corpus
+
+from oasiskv import LLM, SamplingParams
+from oasiskv.config import EngineConfig
+from oasiskv.engine.engine import LLMEngine
+from oasiskv.spec.drafters import make_drafter
+from oasiskv.spec.eagle import EagleConfig, EagleHead
+from oasiskv.spec.train import load_shards, target_features
+
+
+@pytest.fixture
+def trained(tiny_eagle):
+    return tiny_eagle
+
+
+def test_training_reduces_loss_and_beats_unigram(trained):
+    _, result = trained
+    held = result["heldout"]
+    assert result["loss_last"] < 0.8 * result["loss_first"]
+    assert held["greedy_accuracy"] > held["unigram_accuracy"] + 0.25, held
+    assert 0 < held["sampled_accuracy"] <= 1
+
+
+def test_features_are_resumable_and_match_the_target(trained, tiny_llama):
+    out, _ = trained
+    shard = load_shards([out / "features" / "heldout_00000.safetensors"])
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama)))
+    again = target_features(engine, shard["tokens"][0].tolist(), (0, 1), heldout=True)
+    torch.testing.assert_close(again["features"], shard["features"][0])
+    assert torch.equal(again["greedy"], shard["greedy"][0])
+    # greedy = the target's own next-token argmax from the engine's dense prefill
+    llm = LLM(str(tiny_llama))
+    ids = shard["tokens"][0, :20].tolist()
+    first = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                         use_tqdm=False)[0].token_ids[0]
+    assert first == int(shard["greedy"][0, 19])
+
+
+def test_saved_head_drafts_identically_and_incremental_equals_batch(trained, tiny_llama):
+    out, _ = trained
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama)))
+    drafter = make_drafter(f"eagle:{out}", target=engine.model)
+    head = drafter.head
+    data = load_shards([out / "features" / "heldout_00000.safetensors"])
+    tokens, feats = data["tokens"][0].tolist(), data["features"][0].float()
+    # the batch (training) forward over the whole chunk
+    hidden, _ = head(torch.tensor(tokens[1:])[None], feats[None, :-1],
+                     torch.arange(1, len(tokens)))
+    batch_drafts = head.d2t[head.logits(hidden[0]).argmax(-1)].tolist()
+    # incremental, as in the engine: observe a prompt, then one position per step
+    drafter.observe("r", 0, feats[:20])
+    drafts = [drafter.propose(tokens[:21], None, None, 1, "r")[0]]
+    for p in range(20, len(tokens) - 1):
+        drafter.observe("r", p, feats[p:p + 1])
+        drafts.append(drafter.propose(tokens[:p + 2], None, None, 1, "r")[0])
+    assert drafts == batch_drafts[19:]
+    # the reloaded head (a second drafter from the same directory) drafts identically
+    again = make_drafter(f"eagle:{out}", target=engine.model)
+    again.observe("r", 0, feats[:40])
+    assert again.propose(tokens[:41], None, None, 1, "r") == [batch_drafts[39]]
+
+
+def test_window_limits_what_a_row_sees(tiny_llama):
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama)))
+    mc, target = engine.model_config, engine.model
+    cfg = EagleConfig.for_target("tiny", mc, 50, [1], window=8)
+    torch.manual_seed(0)
+    head = EagleHead(cfg, target.model.embed_tokens.weight, target.lm_head.weight,
+                     torch.arange(50)).eval()
+    tokens = torch.randint(0, 50, (1, 30))
+    feats = torch.randn(1, 30, cfg.feature_size)
+    full, _ = head(tokens, feats, torch.arange(30))
+    # the last row sees rows 22..29 only: the same output from those rows alone
+    tail, _ = head(tokens[:, 22:], feats[:, 22:], torch.arange(22, 30))
+    torch.testing.assert_close(full[0, -1], tail[0, -1], atol=1e-5, rtol=1e-5)
+    short, _ = head(tokens[:, 23:], feats[:, 23:], torch.arange(23, 30))
+    assert not torch.allclose(full[0, -1], short[0, -1], atol=1e-4)
+
+
+def test_engine_drafts_are_the_heads_and_acceptance_keeps_greedy_output(trained, tiny_llama):
+    out, _ = trained
+    prompts = corpus(3, 5)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = LLM(str(tiny_llama)).generate(prompts, greedy, use_tqdm=False)
+    llm = LLM(str(tiny_llama), drafter=f"eagle:{out}", speculative="accept")
+    drafter = llm.engine.drafter
+    proposed: dict[str, dict[int, int]] = {}
+    propose = drafter.propose
+
+    def record(tokens, draft_logits, prev, num=1, request_id=""):
+        guess = propose(tokens, draft_logits, prev, num, request_id)
+        proposed.setdefault(request_id, {})[len(tokens)] = guess[0]
+        return guess
+
+    drafter.propose = record
+    got = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert llm.stats()["spec_accepted"] > 0
+    for o in got:  # the head's batch forward over the final text gives the same drafts
+        tokens = o.prompt_token_ids + o.token_ids
+        feats = target_features(llm.engine, tokens, drafter.feature_layers, False)["features"]
+        head = drafter.head
+        hidden, _ = head(torch.tensor(tokens[1:])[None], feats[None, :-1].float(),
+                         torch.arange(1, len(tokens)))
+        batch = head.d2t[head.logits(hidden[0]).argmax(-1)].tolist()  # batch[p-1] guesses x_{p+1}
+        mine = proposed[o.request_id]
+        assert len(mine) >= 12
+        assert all(mine[n] == batch[n - 2] for n in mine), (mine, batch)
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(speculative="accept")])
+def test_sparse_lookahead_runs_with_the_head(trained, tiny_llama, mode):
+    out, _ = trained
+    llm = LLM(str(tiny_llama), drafter=f"eagle:{out}", kv_mode="sparse", top_k=2, f_hbm=0.5,
+              **mode)
+    got = llm.generate(corpus(3, 5), SamplingParams(temperature=0, max_tokens=24,
+                                                    ignore_eos=True), use_tqdm=False)
+    stats = llm.stats()
+    assert all(len(o.token_ids) == 24 for o in got)
+    assert stats["drafts"] > 0 and stats["drafts_right"] > 0
+    assert stats["sparse_predicted"] > 0
+    assert (stats["spec_accepted"] > 0) == bool(mode)
+
+
+def test_bad_head_directory_is_a_clear_error(tmp_path, tiny_llama):
+    with pytest.raises(ValueError, match="holds no trained head"):
+        LLM(str(tiny_llama), drafter=f"eagle:{tmp_path}", kv_mode="sparse")
