@@ -120,6 +120,13 @@ def _cmd_eval_recall(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval_fidelity(args: argparse.Namespace) -> int:
+    from oasiskv.eval.fidelity import run_fidelity_eval
+
+    run_fidelity_eval(args)
+    return 0
+
+
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from oasiskv.engine.engine import LLMEngine
     from oasiskv.spec.train import TrainSpec, run
@@ -212,6 +219,33 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--json", help="write the figures to this file")
     rec.add_argument("--plot", help="write a per-layer recall plot (PNG) to this file")
     rec.set_defaults(func=_cmd_eval_recall)
+
+    for task in ("passkey", "needle", "ppl", "all"):
+        fid = evals.add_parser(task, help=f"fidelity, dense vs sparse on the same prompts: "
+                               f"{'passkey, needle and ppl' if task == 'all' else task}")
+        fid.add_argument("--model", default="smollm2-135m",
+                         help="model alias, HF directory or .gguf file")
+        fid.add_argument("--context", default="4096,7168", help="prompt lengths in tokens")
+        fid.add_argument("--kv-mode", default="dense,sparse", help="dense and/or sparse")
+        fid.add_argument("--predictor", default="lookahead,previous,exact",
+                         help="sparse predictors to compare")
+        fid.add_argument("--top-k", default="32,128", help="sparse K values")
+        fid.add_argument("--drafter", default="resync",
+                         help="lookahead's drafter: self, ngram, resync, eagle:DIR")
+        fid.add_argument("--samples", type=int, default=20, help="prompts per task and context")
+        fid.add_argument("--seed", type=int, default=0)
+        fid.add_argument("--ppl-tokens", type=int, default=64,
+                         help="ppl: teacher-forced tokens scored at the end of each passage")
+        fid.add_argument("--agree-tokens", type=int, default=64,
+                         help="ppl passages: greedy tokens compared with dense")
+        fid.add_argument("--group", type=int, default=4,
+                         help="prompts prefilled together and decoded as one batch")
+        fid.add_argument("--no-chat", action="store_true",
+                         help="plain prompts even when the model has a chat template")
+        fid.add_argument("--dtype", default="float32")
+        fid.add_argument("--num-threads", type=int, default=None)
+        fid.add_argument("--out", "--json", dest="out", help="write the figures to this file")
+        fid.set_defaults(func=_cmd_eval_fidelity, task=task)
 
     tr = sub.add_parser("train-drafter", help="train an EAGLE-style draft head for a model "
                         "(use it with --drafter eagle:OUT)")

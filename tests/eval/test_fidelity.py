@@ -1,0 +1,86 @@
+"""`oasiskv eval passkey|needle|ppl|all` on a tiny model: every setting decodes the same
+prompts; sparse with K covering every block is dense exactly (Δ 0, ppl ratio 1, agreement 1);
+samples are fixed by the seed; the judge scores hand-made answers."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import build_model_dir
+
+from oasiskv.cli import main
+from oasiskv.eval.fidelity import Sample, judge, make_samples, settings_from, summarize
+from oasiskv.eval.tasks import make_task
+from oasiskv.models.loader import load_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """tiny_llama's shape with room for prompts of the tiny tokenizer's 720 tokens."""
+    return build_model_dir(tmp_path_factory.mktemp("tiny_long"), max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model):
+    return load_checkpoint(str(model)).tokenizer
+
+
+def test_all_tasks_in_one_run_and_full_k_sparse_equals_dense(model, tmp_path, capsys):
+    out = tmp_path / "fid.json"
+    assert main(["eval", "all", "--model", str(model), "--context", "720",
+                 "--top-k", "2,64", "--predictor", "previous,exact", "--samples", "3",
+                 "--ppl-tokens", "16", "--agree-tokens", "8", "--group", "2",
+                 "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "sparse K=64 exact" in table and "ppl ratio" in table
+    data = json.loads(out.read_text())
+    assert data["settings"] == ["dense", "sparse K=2 previous", "sparse K=2 exact",
+                                "sparse K=64 previous", "sparse K=64 exact"]
+    rows = {(r["task"], r["setting"]): r for r in data["rows"]}
+    assert len(rows) == 3 * 5
+    for task in ("passkey", "needle"):
+        for k in ("previous", "exact"):
+            assert rows[(task, f"sparse K=64 {k}")]["delta"] == 0
+        assert rows[(task, "dense")]["samples"] == 3
+    for k in ("previous", "exact"):
+        ppl = rows[("ppl", f"sparse K=64 {k}")]
+        assert ppl["ppl_ratio"] == pytest.approx(1.0, abs=1e-4)
+        assert ppl["agreement"] == 1.0
+    assert rows[("ppl", "dense")]["ppl"] > 1
+    assert rows[("ppl", "sparse K=2 exact")]["ppl_ratio"] != pytest.approx(1.0, abs=1e-6)
+
+
+def test_samples_are_fixed_by_the_seed(tokenizer):
+    for task in ("passkey", "needle", "ppl"):
+        a = make_samples(task, tokenizer, 720, 3, seed=1, ppl_tokens=8)
+        b = make_samples(task, tokenizer, 720, 3, seed=1, ppl_tokens=8)
+        c = make_samples(task, tokenizer, 720, 3, seed=2, ppl_tokens=8)
+        assert [s.ids for s in a] == [s.ids for s in b]
+        assert [s.ids for s in a] != [s.ids for s in c]
+    needles = make_samples("needle", tokenizer, 720, 3, seed=1)
+    assert [s.kind for s in needles] == ["single", "multikey", "multivalue"]
+    assert [s.depth for s in needles] == [0.0, 0.5, 1.0]
+    ppl = make_samples("ppl", tokenizer, 720, 2, seed=1, ppl_tokens=8)
+    assert all(len(s.ids) + len(s.forced) == 720 and len(s.forced) == 8 for s in ppl)
+
+
+def test_judge_scores_hand_made_answers(tokenizer):
+    task = make_task("multivalue", tokenizer, 720, 0.5, seed=3, chat=False)
+    sample = Sample("needle", "multivalue", task.input_ids, 3, 0.5, list(task.answers),
+                    task_obj=task)
+    a, b, c, d = task.answers
+
+    def out(text):
+        return SimpleNamespace(text=text, finish_reason="length", error=None)
+
+    assert judge(sample, [out(f"{a}, {b}, {c} and {d}.")])["score"] == 1.0
+    assert judge(sample, [out(f"They are {a} and {int(b):,}")])["score"] == 0.5
+    assert judge(sample, [out("none")])["score"] == 0.0
+    rows = summarize("needle", [sample], {"dense": [{"score": 1.0}], "sparse": [{"score": 0.5}]})
+    assert rows[1]["accuracy"] == 50.0 and rows[1]["delta"] == -50.0
+
+
+def test_bad_settings_are_clear_errors():
+    with pytest.raises(ValueError, match="dense and/or sparse"):
+        settings_from(["paged"], ["exact"], [32])
