@@ -6,7 +6,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import build_model_dir
 
 from oasiskv.cli import main
