@@ -105,6 +105,7 @@ def _field(default: Any, help: str, **kw: Any) -> Any:
 
 KV_MODES = ("dense", "sparse")
 PREDICTORS = ("lookahead", "previous", "exact")
+PREFETCH = ("async", "sync")
 DRAFTERS = ("self", "ngram", "resync", "model")
 
 
@@ -117,8 +118,10 @@ class CacheConfig:
         "dense", "dense: every block on the device; sparse: a per-head working set of top_k "
         "blocks on the device, the full history in the host tier")
     top_k: int = _field(128, "sparse: resident blocks per KV head (K); the active block is extra")
-    f_hbm: float = _field(
-        0.05, "sparse: at most ceil(f_hbm*top_k) new blocks admitted per head, layer and step")
+    f_hbm: float | str = _field(
+        0.05, "sparse: at most ceil(f_hbm*top_k) new blocks admitted per head, layer and step; "
+        "auto: the cap whose transfers fit in one forward pass (measured bandwidth, moving "
+        "forward time)")
     host_kv_budget: int | str = _field(
         "8GiB", "sparse: bytes of host memory for the complete KV history of running requests")
     predictor: str = _field(
@@ -127,6 +130,9 @@ class CacheConfig:
         "step: on the critical path)")
     score_alpha: float = _field(
         1.0, "sparse: block score q.c + alpha*|q|.r over the min/max key summary (1 = Quest)")
+    prefetch: str = _field(
+        "async", "sparse: async runs each layer's next-step selection and fetch in the "
+        "background (worker threads on CPU, CUDA streams on GPU); sync runs them inline")
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -143,15 +149,24 @@ class CacheConfig:
             raise ValueError(f"predictor must be one of {PREDICTORS}, got {self.predictor!r}")
         if self.top_k <= 0:
             raise ValueError(f"top_k must be a positive number of blocks, got {self.top_k}")
-        if not 0 < self.f_hbm <= 1:
-            raise ValueError(f"f_hbm must be in (0, 1], got {self.f_hbm}")
+        if self.f_hbm != "auto":
+            try:
+                self.f_hbm = float(self.f_hbm)
+            except ValueError:
+                raise ValueError(f"f_hbm must be a fraction in (0, 1] or auto, "
+                                 f"got {self.f_hbm!r}") from None
+            if not 0 < self.f_hbm <= 1:
+                raise ValueError(f"f_hbm must be in (0, 1] or auto, got {self.f_hbm}")
+        if self.prefetch not in PREFETCH:
+            raise ValueError(f"prefetch must be one of {PREFETCH}, got {self.prefetch!r}")
         if self.score_alpha < 0:
             raise ValueError(f"score_alpha must be >= 0, got {self.score_alpha}")
 
     @property
     def fetch_cap(self) -> int:
         """Newly admitted blocks per head, layer and step once a working set is seeded."""
-        return math.ceil(self.f_hbm * self.top_k)
+        f_hbm = 0.05 if self.f_hbm == "auto" else self.f_hbm  # auto starts here
+        return math.ceil(f_hbm * self.top_k)
 
 
 SPECULATIVE = ("off", "accept")

@@ -85,6 +85,10 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def close(self) -> None:
+        """Stops background workers (sparse prefetch); the LLM cannot be used afterwards."""
+        self.engine.close()
+
 
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):

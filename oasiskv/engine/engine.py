@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -21,6 +22,9 @@ from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import load_checkpoint
 from oasiskv.models.registry import resolve_model
 from oasiskv.outputs import RequestOutput
+from oasiskv.prefetch.executor import make_executor
+from oasiskv.prefetch.pipeline import PrefetchPipeline
+from oasiskv.prefetch.trace import Tracer
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.spec.drafters import make_drafter
 
@@ -105,9 +109,12 @@ class LLMEngine:
             self.host_pool = BlockPool(host_blocks, block)
             self.kv = KVAllocator(self.pool, self.host_pool, slab_blocks=cache.top_k + 1)
             summary = (mc.num_layers, host_blocks, mc.num_kv_heads, mc.head_dim)
+            executor = make_executor(cache.prefetch, self.device)
+            weakref.finalize(self, executor.close)  # no worker outlives the engine
             self.sparse = SparseKV(cache, device_kv, host_kv,
                                    torch.empty(summary, dtype=dtype, device=self.device),
-                                   torch.empty(summary, dtype=dtype, device=self.device))
+                                   torch.empty(summary, dtype=dtype, device=self.device),
+                                   PrefetchPipeline(executor))
             self.runner = ModelRunner(self.model, device_kv, block, host_kv, self.sparse)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
 
@@ -194,6 +201,20 @@ class LLMEngine:
                     request_id: str | None = None,
                     prefix_kv: torch.Tensor | None = None) -> str:
         return self.add_sequence(self.make_sequence(prompt, params, request_id, prefix_kv))
+
+    def close(self) -> None:
+        """Stops the prefetch workers (pending jobs finish first)."""
+        if self.sparse is not None:
+            self.sparse.flush()
+            self.sparse.pipeline.close()
+
+    def trace(self) -> Tracer:
+        """Starts recording a Chrome trace of the prefetch pipeline and the foreground layers
+        (sparse mode); write it with `.write(path)`."""
+        tracer = Tracer()
+        if self.sparse is not None:
+            self.sparse.pipeline.tracer = self.sparse.pipeline.executor.tracer = tracer
+        return tracer
 
     def abort(self, request_id: str) -> None:
         seq = self.requests.get(request_id)
@@ -400,13 +421,15 @@ class LLMEngine:
         used = self.pool.num_used
         sparse = {}
         if self.sparse is not None:
+            self.sparse.flush()  # count the jobs still in flight
             c = self.sparse.counters
             sparse = {f"sparse_{k}": v for k, v in vars(c).items()}
             sparse.update(host_blocks_used=self.host_pool.num_used,
                           host_blocks_total=self.host_pool.num_blocks,
                           host_bytes_held=self.host_pool.num_used * self.bytes_per_block,
                           host_peak_bytes=self.host_pool.peak_used * self.bytes_per_block,
-                          slab_bytes=(self.config.cache.top_k + 1) * self.bytes_per_block)
+                          slab_bytes=(self.config.cache.top_k + 1) * self.bytes_per_block,
+                          fetch_cap=self.sparse.fetch_cap)
         return {**self.counters, **sparse,
                 "preemptions": self.scheduler.num_preemptions,
                 "running": len(self.scheduler.running),

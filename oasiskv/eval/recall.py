@@ -193,6 +193,9 @@ class RecallProbe:
         blocks[:, -1] = True
         return blocks.repeat_interleave(self.block, dim=1)[:, :self.pos + 1]
 
+    def wait_layer(self, layer: int) -> None:
+        """Nothing is prefetched here: the probe selects inline."""
+
     def prepare_layer(self, layer: int, q: torch.Tensor) -> None:
         b = self.block
         n_cur, n_next = self.pos // b, (self.pos + 1) // b

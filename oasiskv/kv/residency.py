@@ -4,10 +4,19 @@ A sparse request holds one slab of K+1 device blocks. Slot s < K of KV head g ho
 logical block head_map[s, g]; slot K is the active (filling) block, attended by every head.
 The host tier holds the request's complete history as whole blocks; the summary (kmin/kmax)
 of every complete block lives on the device and drives selection.
+
+Prefetch (lookahead/previous): after layer l's attention of step t the next step's selection
+and fetch for layer l go to the prefetch pipeline as stages (predict, select, remote, local);
+blocks that step t completed enter the working sets as a per-layer fill job after the step.
+Layer l's attention of step t+1 first waits for layer l's jobs (and for nothing else). With
+`prefetch="sync"` the same stages run inline, so both modes compute the same thing.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +26,8 @@ from oasiskv.context import SeqAttention
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.select import block_scores, insert_block, select_capped_lru, top_k_blocks
 from oasiskv.kv.summaries import summarize
+from oasiskv.prefetch.executor import InlineExecutor, PrefetchError
+from oasiskv.prefetch.pipeline import PrefetchPipeline
 
 
 @dataclass
@@ -36,6 +47,7 @@ class SparseCounters:
     h2d_bytes: int = 0  # host -> device: local fetches and active-block loads
     d2h_bytes: int = 0  # device -> host: filled blocks
     host_write_bytes: int = 0  # prefill K/V written straight to the host tier
+    stall_s: float = 0.0  # foreground time waiting for prefetch jobs
 
     def add(self, other: SparseCounters) -> None:
         for name in self.__dataclass_fields__:
@@ -60,10 +72,59 @@ class SparseKV:
     host_kv: torch.Tensor  # [L, 2, Hkv, host_slots, d]
     kmin: torch.Tensor  # [L, host_blocks, Hkv, d] summaries, indexed by host block
     kmax: torch.Tensor
+    pipeline: PrefetchPipeline = field(default_factory=lambda: PrefetchPipeline(
+        InlineExecutor()))
     step: int = 0
     counters: SparseCounters = field(default_factory=SparseCounters)
     last_step: SparseCounters = field(default_factory=SparseCounters)
+    fetch_cap: int = 0  # admissions per head, layer and step once seeded (0: from cfg)
+    fetch_bandwidth: float = 0.0  # f_hbm=auto: bytes/s of a local fetch, measured at start
+    forward_s: float = 0.0  # f_hbm=auto: moving estimate of a decode step's forward time
+    frozen: bool = False  # benchmarks: no prefetch at all once seeded (working sets frozen)
+    # stage name -> hook(layer, requests) run at the start of that stage (tests: delays, faults)
+    stage_hooks: dict[str, Callable[[int, list[Sequence]], None]] = field(default_factory=dict)
     _decodes: list[_Decode] = field(default_factory=list)
+    _pending: SparseCounters = field(default_factory=SparseCounters)  # jobs' counts
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    _mark: float | None = None  # trace: when the foreground's current layer began
+    _step_start: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.fetch_cap:
+            self.fetch_cap = self.cfg.fetch_cap
+        if self.cfg.f_hbm == "auto":
+            self.fetch_bandwidth = self.measure_fetch_bandwidth()
+
+    def measure_fetch_bandwidth(self, slices: int = 512, repeats: int = 5) -> float:
+        """Bytes/s of the local-fetch gather (per-head block slices host -> device), timed on
+        the pools' first slots before anything lives there."""
+        B = self.cfg.block_size
+        hkv = self.device_kv.shape[2]
+        blocks = min(self.device_kv.shape[3], self.host_kv.shape[3]) // B
+        n = min(slices, blocks * hkv)
+        heads = (torch.arange(n) % hkv)[:, None]
+        starts = (torch.arange(n) // hkv * B)[:, None] + torch.arange(B)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.device_kv[0][:, heads, starts] = self.host_kv[0][:, heads, starts]
+            if self.device_kv.is_cuda:
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return n * self.block_bytes_per_head / best
+
+    def _retune(self, num_decodes: int) -> None:
+        """f_hbm=auto: the cap whose admissions (all heads, layers, requests) move in one
+        forward pass at the measured bandwidth."""
+        if self.cfg.f_hbm != "auto" or not num_decodes:
+            return
+        forward = time.perf_counter() - self._step_start
+        self.forward_s = forward if not self.forward_s else 0.8 * self.forward_s + 0.2 * forward
+        L, _, hkv = self.device_kv.shape[:3]
+        per_cap = self.block_bytes_per_head * L * hkv * num_decodes  # bytes of one cap unit
+        cap = int(self.fetch_bandwidth * self.forward_s / per_cap)
+        self.fetch_cap = max(1, min(self.cfg.top_k, cap))
 
     @property
     def block_bytes_per_head(self) -> int:  # K and V of one head's slice of one block
@@ -72,14 +133,43 @@ class SparseKV:
     # ---- step boundaries ------------------------------------------------------------------
 
     def begin_step(self, decodes: list[tuple[Sequence, SeqAttention]]) -> None:
+        if self._decodes:  # the previous step failed: its jobs' work is not to be trusted
+            self._reset([d.seq for d in self._decodes])
         self.step += 1
         self.last_step = SparseCounters()
         self._decodes = []
+        self._step_start, self._mark = time.perf_counter(), None
         for seq, attn in decodes:
             d = self._decode(seq, attn, seq.num_computed_tokens)
             if seq.working_set is None:
+                self.flush()  # the slab may be a finished request's, with jobs in flight
                 self._load(d)
             self._decodes.append(d)
+
+    def _reset(self, seqs: list[Sequence]) -> None:
+        """Drops the working sets of requests whose prefetch failed or whose step failed:
+        they load and select afresh (exact, uncapped) at their next decode step."""
+        for e in self.pipeline.drain():
+            seqs = seqs + list(getattr(e, "owners", []))
+        for seq in seqs:
+            seq.working_set = None
+
+    def flush(self) -> None:
+        """Waits for every pending job and counts its work (stats, shutdown, slab reuse)."""
+        self._reset([])
+        self._take_pending()
+
+    def _count(self, **amounts: float) -> None:
+        with self._lock:  # jobs count from worker threads
+            for name, value in amounts.items():
+                setattr(self._pending, name, getattr(self._pending, name) + value)
+
+    def _take_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, SparseCounters()
+        pending.stall_s += self.pipeline.take_stall()
+        self.last_step.add(pending)
+        self.counters.add(pending)
 
     def _decode(self, seq: Sequence, attn: SeqAttention | None, pos: int) -> _Decode:
         K, B = self.cfg.top_k, self.cfg.block_size
@@ -102,47 +192,56 @@ class SparseKV:
             src = d.seq.host_table[d.pos // B] * B
             dst = int(d.slab_tokens[K])
             self.device_kv[:, :, :, dst:dst + filled] = self.host_kv[:, :, :, src:src + filled]
-            self.last_step.h2d_bytes += (self.device_kv[:, :, :, :filled].numel()
-                                         * self.device_kv.element_size())
+            self._count(h2d_bytes=self.device_kv[:, :, :, :filled].numel()
+                        * self.device_kv.element_size())
 
     def end_step(self) -> None:
         """After a successful forward: blocks that the step's tokens filled go to the host,
-        get their summary, and enter every head's working set."""
+        get their summary, and enter every head's working set (one job per layer)."""
         B = self.cfg.block_size
+        self._trace_layer(self.device_kv.shape[0] - 1)
         for d in self._decodes:
             if (d.pos + 1) % B == 0:
-                self._fill(d, d.pos // B)
+                self._submit_fill(d, d.pos // B)
+        self._retune(len(self._decodes))
         self._decodes = []
-        self.counters.add(self.last_step)
+        self._take_pending()
 
     def commit_token(self, seq: Sequence, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """An accepted draft's K/V ([L, Hkv, d] each) joins the active block at `pos`; when it
         completes the block, the block fills as after any decode step."""
         K, B = self.cfg.top_k, self.cfg.block_size
+        self.flush()  # the active slot may still be read by the step's fill jobs
+        if seq.working_set is None:
+            return  # its prefetch failed: it reloads from the host, where this K/V goes too
         slot = seq.block_table[K] * B + pos % B
         self.device_kv[:, 0, :, slot] = k
         self.device_kv[:, 1, :, slot] = v
         if (pos + 1) % B == 0:
-            before = self.last_step.d2h_bytes
-            self._fill(self._decode(seq, None, pos), pos // B)
-            self.counters.d2h_bytes += self.last_step.d2h_bytes - before
+            self._submit_fill(self._decode(seq, None, pos), pos // B)
+            self.flush()
 
-    def _fill(self, d: _Decode, block: int) -> None:
+    def _submit_fill(self, d: _Decode, block: int) -> None:
+        ws = d.seq.working_set  # jobs keep theirs: the request may end while they run
+        step = self.step
+        for layer in range(self.device_kv.shape[0]):
+            self.pipeline.submit(layer, f"fill step {step}", [
+                ("fill", lambda layer=layer: self._fill(d, ws, block, layer, step))], [d.seq])
+
+    def _fill(self, d: _Decode, ws: WorkingSet, block: int, layer: int, step: int) -> None:
         K, B = self.cfg.top_k, self.cfg.block_size
         active = int(d.slab_tokens[K])
         host = d.seq.host_table[block] * B
-        chunk = self.device_kv[:, :, :, active:active + B]  # [L, 2, Hkv, B, d]
-        self.host_kv[:, :, :, host:host + B] = chunk
-        self.last_step.d2h_bytes += chunk.numel() * chunk.element_size()
-        self._summarize(torch.tensor([d.seq.host_table[block]]), chunk[:, 0].unsqueeze(2))
-        ws = d.seq.working_set
+        kv = self.device_kv[layer]  # [2, Hkv, slots, d]
+        chunk = kv[:, :, active:active + B]  # [2, Hkv, B, d]
+        self.host_kv[layer, :, :, host:host + B] = chunk
+        self._count(d2h_bytes=chunk.numel() * chunk.element_size())
+        self._summarize(torch.tensor([d.seq.host_table[block]]), chunk[0][None, :, None],
+                        layers=[layer])
+        slots, heads = insert_block(ws.head_map[layer], ws.last_used[layer], block, step)
         arange_b = torch.arange(B)
-        for layer in range(self.device_kv.shape[0]):
-            slots, heads = insert_block(ws.head_map[layer], ws.last_used[layer], block,
-                                        self.step)
-            dst = d.slab_tokens[slots][:, None] + arange_b  # [Hkv, B]
-            kv = self.device_kv[layer]
-            kv[:, heads[:, None], dst] = kv[:, heads[:, None], active + arange_b]
+        dst = d.slab_tokens[slots][:, None] + arange_b  # [Hkv, B]
+        kv[:, heads[:, None], dst] = kv[:, heads[:, None], active + arange_b]
 
     # ---- prefill ----------------------------------------------------------------------------
 
@@ -150,7 +249,7 @@ class SparseKV:
         """Summaries of the blocks that the prefill chunk [start, end) completed."""
         B = self.cfg.block_size
         per_token = self.host_kv[:, :, :, 0].numel() * self.host_kv.element_size()
-        self.last_step.host_write_bytes += (end - start) * per_token
+        self._count(host_write_bytes=(end - start) * per_token)
         blocks = range(start // B, end // B)
         if not blocks:
             return
@@ -159,26 +258,58 @@ class SparseKV:
         keys = self.host_kv[:, 0][:, :, tokens]  # [L, Hkv, n*B, d]
         self._summarize(host_ids, keys.unflatten(2, (len(host_ids), B)))
 
-    def _summarize(self, host_ids: torch.Tensor, keys: torch.Tensor) -> None:
-        # keys [L, Hkv, n, B, d]
-        for layer in range(keys.shape[0]):
-            kmin, kmax = summarize(keys[layer])
+    def _summarize(self, host_ids: torch.Tensor, keys: torch.Tensor,
+                   layers: list[int] | None = None) -> None:
+        # keys [len(layers) or L, Hkv, n, B, d]
+        for i, layer in enumerate(layers or range(keys.shape[0])):
+            kmin, kmax = summarize(keys[i])
             self.kmin[layer, host_ids] = kmin.to(self.kmin.dtype)
             self.kmax[layer, host_ids] = kmax.to(self.kmax.dtype)
 
     # ---- per layer: selection and the attention masks ------------------------------------
 
+    def wait_layer(self, layer: int) -> None:
+        """Before layer `layer`'s K/V writes (which must not reach the active slot while a
+        fill job still reads it) and attention: waits for the layer's prefetch jobs, and for
+        nothing else."""
+        self._trace_layer(layer - 1)
+        try:
+            self.pipeline.wait(layer)
+        except PrefetchError as e:
+            for seq in e.owners:  # their working sets may be half updated
+                seq.working_set = None
+            raise
+        self._mark = time.perf_counter()
+
+    def _trace_layer(self, layer: int) -> None:
+        """Foreground span of the layer that just ran (from its wait to the next one)."""
+        tracer = self.pipeline.tracer
+        if tracer is not None and self._mark is not None and layer >= 0:
+            tracer.span("foreground", f"L{layer} step {self.step}", self._mark,
+                        time.perf_counter())
+
     def prepare_layer(self, layer: int, q: torch.Tensor) -> None:
         """Before layer `layer`'s attention. With the exact predictor (and on a request's first
         decode step, when no earlier step chose its blocks) the step's own query q[row]
-        ([N, H, d]) selects on the critical path. Then sets each request's attention masks."""
+        ([N, H, d]) selects here, on the critical path. Then sets each request's masks."""
         B = self.cfg.block_size
         picks = []
         for d in self._decodes:
             ws = d.seq.working_set
             if self.cfg.predictor == "exact" or not ws.primed[layer]:
                 picks.append((d, q[d.attn.q_start]))
-        self._select(layer, picks)
+        if picks:  # on the critical path, with the stages' error reporting and trace spans
+            job = _SelectJob(self, layer, picks, self.step)
+            inline = InlineExecutor()
+            inline.tracer = self.pipeline.tracer
+            for stage, fn in (("predict", job.predict), ("select", job.select),
+                              ("local", job.local)):
+                try:
+                    inline.submit(stage, fn, label=f"L{layer} step {self.step}").wait()
+                except PrefetchError:
+                    for d, _ in picks:
+                        d.seq.working_set = None
+                    raise
         for d in self._decodes:
             resident = d.seq.working_set.head_map[layer] >= 0  # [K, Hkv]
             active = torch.arange(B) <= d.pos % B
@@ -186,50 +317,90 @@ class SparseKV:
                                          active.expand(resident.shape[1], B)], dim=1)
 
     def after_attention(self, layer: int, q: torch.Tensor) -> None:
-        """After layer `layer`'s attention has read the slab: predict the next step's blocks
-        (lookahead: the drafts' averaged query; previous: this step's query) and fetch them
-        now, so the next step only attends."""
-        if self.cfg.predictor == "exact":
+        """After layer `layer`'s attention has read the slab: submits the prediction of the
+        next step's blocks (lookahead: the drafts' averaged query; previous: this step's
+        query) and their fetch to the pipeline, so the next step only attends."""
+        if self.cfg.predictor == "exact" or not self._decodes:
             return
         picks = []
         for d in self._decodes:
-            rows = d.attn.draft_rows if self.cfg.predictor == "lookahead" else []
-            picks.append((d, q[rows].mean(0) if rows else q[d.attn.q_start]))
-            d.seq.working_set.primed[layer] = True
-        self._select(layer, picks)
-
-    def _select(self, layer: int, picks: list[tuple[_Decode, torch.Tensor]]) -> None:
-        """Scores each request's complete blocks with its query ([H, d]), picks each head's
-        top-K, applies the capped LRU, and fetches all admissions in one gather."""
-        K, B = self.cfg.top_k, self.cfg.block_size
-        heads, dst, src = [], [], []
-        for d, query in picks:
             ws = d.seq.working_set
-            n_full = len(d.host_ids)
-            if n_full == 0:
+            if self.frozen and all(ws.seeded):
                 continue
-            scores = block_scores(query, self.kmin[layer, d.host_ids],
-                                  self.kmax[layer, d.host_ids], self.cfg.score_alpha)
-            cap = self.cfg.fetch_cap if ws.seeded[layer] else None
-            sel = select_capped_lru(ws.head_map[layer], ws.last_used[layer],
-                                    top_k_blocks(scores, K), cap, self.step)
-            ws.seeded[layer] = ws.seeded[layer] or n_full > K
-            c = self.last_step
-            c.predicted, c.hits = c.predicted + sel.predicted, c.hits + sel.hits
-            c.wanted, c.admitted = c.wanted + sel.wanted, c.admitted + len(sel.slots)
-            heads.append(sel.heads)
-            dst.append(d.slab_tokens[sel.slots])
-            src.append(d.host_ids[sel.blocks] * B)
-        if heads:
-            self._local_fetch(layer, torch.cat(heads), torch.cat(dst), torch.cat(src))
+            rows = d.attn.draft_rows if self.cfg.predictor == "lookahead" else []
+            picks.append((d, (q[rows].mean(0) if rows else q[d.attn.q_start]).clone()))
+            ws.primed[layer] = True
+        if not picks:
+            return
+        job = _SelectJob(self, layer, picks, self.step)
+        self.pipeline.submit(layer, f"step {self.step}", [
+            ("predict", job.predict), ("select", job.select), ("remote", job.remote),
+            ("local", job.local)], [d.seq for d, _ in picks])
 
-    def _local_fetch(self, layer: int, heads: torch.Tensor, dst: torch.Tensor,
-                     src: torch.Tensor) -> None:
+
+class _SelectJob:
+    """The four stages of one (layer, step) selection for a batch's requests."""
+
+    def __init__(self, kv: SparseKV, layer: int, picks: list[tuple[_Decode, torch.Tensor]],
+                 step: int) -> None:
+        self.kv, self.layer, self.picks, self.step = kv, layer, picks, step
+        # captured now: a request may end (and drop its working set) while the job runs
+        self.working_sets = [d.seq.working_set for d, _ in picks]
+        self.predicted: list[tuple[_Decode, WorkingSet, torch.Tensor]] = []
+        self.heads: list[torch.Tensor] = []
+        self.dst: list[torch.Tensor] = []
+        self.src: list[torch.Tensor] = []
+
+    def _hook(self, stage: str) -> None:
+        hook = self.kv.stage_hooks.get(stage)
+        if hook is not None:
+            hook(self.layer, [d.seq for d, _ in self.picks])
+
+    def predict(self) -> None:
+        """Scores each request's complete blocks with its query ([H, d]); per-head top-K."""
+        self._hook("predict")
+        kv, layer = self.kv, self.layer
+        for (d, query), ws in zip(self.picks, self.working_sets, strict=True):
+            if len(d.host_ids) == 0:
+                continue
+            scores = block_scores(query, kv.kmin[layer, d.host_ids], kv.kmax[layer, d.host_ids],
+                                  kv.cfg.score_alpha)
+            self.predicted.append((d, ws, top_k_blocks(scores, kv.cfg.top_k)))
+
+    def select(self) -> None:
+        """Hits stay; up to the cap of misses replace LRU victims (head maps updated)."""
+        self._hook("select")
+        kv, layer, B = self.kv, self.layer, self.kv.cfg.block_size
+        counts = dict(predicted=0, hits=0, wanted=0, admitted=0)
+        for d, ws, top in self.predicted:
+            cap = kv.fetch_cap if ws.seeded[layer] else None
+            sel = select_capped_lru(ws.head_map[layer], ws.last_used[layer], top, cap,
+                                    self.step)
+            ws.seeded[layer] = ws.seeded[layer] or len(d.host_ids) > kv.cfg.top_k
+            counts["predicted"] += sel.predicted
+            counts["hits"] += sel.hits
+            counts["wanted"] += sel.wanted
+            counts["admitted"] += len(sel.slots)
+            self.heads.append(sel.heads)
+            self.dst.append(d.slab_tokens[sel.slots])
+            self.src.append(d.host_ids[sel.blocks] * B)
+        kv._count(**counts)
+
+    def remote(self) -> None:
+        """Single node: the host tier holds every block, nothing to fetch from remote memory."""
+        self._hook("remote")
+
+    def local(self) -> None:
         """One vectorised gather of per-head block slices, host -> device slots."""
+        self._hook("local")
+        if not self.heads:
+            return
+        heads, dst, src = torch.cat(self.heads), torch.cat(self.dst), torch.cat(self.src)
         if len(heads) == 0:
             return
-        arange_b = torch.arange(self.cfg.block_size)
+        kv, B = self.kv, self.kv.cfg.block_size
+        arange_b = torch.arange(B)
         h = heads[:, None]
-        self.device_kv[layer][:, h, dst[:, None] + arange_b] = \
-            self.host_kv[layer][:, h, src[:, None] + arange_b]
-        self.last_step.h2d_bytes += len(heads) * self.block_bytes_per_head
+        kv.device_kv[self.layer][:, h, dst[:, None] + arange_b] = \
+            kv.host_kv[self.layer][:, h, src[:, None] + arange_b]
+        kv._count(h2d_bytes=len(heads) * kv.block_bytes_per_head)

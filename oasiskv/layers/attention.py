@@ -27,6 +27,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [N, H, d], k/v [N, Hkv, d] -> [N, H*d]
         ctx = get_context()
+        if ctx.sparse is not None:  # this layer's prefetch and fills land before our writes
+            ctx.sparse.wait_layer(self.layer_idx)
         for w in ctx.writes:
             k_cache, v_cache = self.pools[w.pool]
             k_cache.index_copy_(1, w.slots, k[w.rows].transpose(0, 1))

@@ -139,6 +139,7 @@ def test_sparse_with_k_covering_all_blocks_equals_dense(tiny_llama, monkeypatch)
 def check_working_sets(engine):
     """Every running sparse request: each (slot, head) of its slab holds exactly the host
     block its head map names; each head holds min(K, complete blocks) distinct blocks."""
+    engine.sparse.flush()  # async prefetch: let the step's jobs land
     sp, B, K = engine.sparse, engine.pool.block_size, engine.config.cache.top_k
     for seq in engine.scheduler.running:
         # every complete block of the history has its summary, prefill or decode alike
@@ -172,7 +173,8 @@ def check_working_sets(engine):
        max_tokens=st.integers(1, 40), seqs=st.integers(1, 3))
 def test_working_set_invariants_under_random_schedules(tiny_llama, lengths, top_k, f_hbm,
                                                        max_tokens, seqs):
-    llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=top_k, f_hbm=f_hbm,
+    # sync prefetch: each step's counters and working sets are complete when step() returns
+    llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=top_k, f_hbm=f_hbm, prefetch="sync",
               max_num_batched_tokens=32, max_num_seqs=seqs)
     e = llm.engine
     cap = math.ceil(f_hbm * top_k)

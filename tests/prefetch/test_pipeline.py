@@ -1,0 +1,165 @@
+"""The prefetch pipeline: async equals sync, the foreground waits only at a slowed layer,
+workers stop with the engine, a failing stage fails only its requests, traces and f_hbm=auto.
+"""
+
+import gc
+import json
+import random
+import threading
+import time
+
+import pytest
+from conftest import build_model_dir
+
+from oasiskv import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+TOTALS = ("sparse_predicted", "sparse_hits", "sparse_wanted", "sparse_admitted",
+          "sparse_h2d_bytes", "sparse_d2h_bytes")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """Four layers, so that 'only at the slowed layer' has layers before and after it."""
+    return str(build_model_dir(tmp_path_factory.mktemp("four_layers"), num_hidden_layers=4))
+
+
+def prompts(n: int, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 300) for _ in range(rng.randrange(20, 120))] for _ in range(n)]
+
+
+def run_staggered(llm: LLM, ids: list[list[int]], params=GREEDY) -> dict:
+    """Requests arrive over time (varied batch composition); returns outputs by request id."""
+    engine, pending, outs = llm.engine, list(ids), {}
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % 5 == 0:
+            engine.add_request(pending.pop(0), params, request_id=f"r{len(ids) - len(pending)}")
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+        step += 1
+    return outs
+
+
+@pytest.mark.parametrize("predictor", ["lookahead", "previous", "exact"])
+def test_async_and_sync_give_the_same_tokens_and_traffic(model, predictor):
+    kw = dict(kv_mode="sparse", top_k=3, f_hbm=0.34, predictor=predictor, max_num_seqs=3,
+              max_num_batched_tokens=64)
+    got = {}
+    for mode in ("sync", "async"):
+        llm = LLM(model, prefetch=mode, **kw)
+        outs = run_staggered(llm, prompts(7))
+        got[mode] = ({r: o.token_ids for r, o in outs.items()},
+                     {k: llm.stats()[k] for k in TOTALS})
+        assert all(o.finish_reason == "length" for o in outs.values())
+        llm.close()
+    assert got["async"] == got["sync"]
+    assert got["sync"][1]["sparse_admitted"] > 0
+
+
+def wait_spans(tracer) -> dict[int, float]:
+    """Longest foreground wait per layer, from the trace."""
+    out: dict[int, float] = {}
+    for e in tracer.events:
+        if e["name"].startswith("wait L"):
+            layer = int(e["name"].split("L")[1])
+            out[layer] = max(out.get(layer, 0.0), e["dur"] / 1e6)
+    return out
+
+
+def test_a_slow_fetch_stalls_only_its_layer(model):
+    llm = LLM(model, kv_mode="sparse", top_k=2, predictor="previous")
+    sparse = llm.engine.sparse
+    slow_layer, delay = 2, 0.15
+
+    def slow(layer, seqs):
+        if layer == slow_layer:
+            time.sleep(delay)
+
+    sparse.stage_hooks["local"] = slow
+    tracer = llm.engine.trace()
+    llm.generate(prompts(2), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    waits = wait_spans(tracer)
+    assert waits[slow_layer] > 0.5 * delay
+    assert all(w < 0.3 * delay for layer, w in waits.items() if layer != slow_layer), waits
+    llm.close()
+
+
+def test_no_worker_survives_shutdown(model):
+    def workers():
+        return {t for t in threading.enumerate() if t.name.startswith("oasiskv-")}
+
+    before = workers()
+    llm = LLM(model, kv_mode="sparse", top_k=2)
+    assert len(workers() - before) == 5  # one per stage
+    llm.generate(prompts(2), GREEDY, use_tqdm=False)
+    llm.close()
+    assert workers() == before
+    llm = LLM(model, kv_mode="sparse", top_k=2)  # dropped without close: the finalizer stops
+    del llm
+    gc.collect()
+    assert workers() == before
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_failing_stage_fails_only_its_requests(model, mode):
+    llm = LLM(model, kv_mode="sparse", top_k=2, predictor="lookahead", prefetch=mode)
+
+    def fault(layer, seqs):
+        if any(s.request_id == "bad" for s in seqs):
+            raise OSError("injected fetch fault")
+
+    llm.engine.sparse.stage_hooks["select"] = fault
+    engine = llm.engine
+    ids = prompts(3)
+    for rid, p in zip(["a", "bad", "b"], ids, strict=True):
+        engine.add_request(p, GREEDY, request_id=rid)
+    outs = {}
+    deadline = time.time() + 60
+    while engine.has_unfinished() and time.time() < deadline:
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert outs["bad"].finish_reason == "error"
+    assert "prefetch stage 'select'" in outs["bad"].error
+    assert "injected fetch fault" in outs["bad"].error
+    ref = LLM(model, kv_mode="sparse", top_k=2, predictor="lookahead", prefetch=mode)
+    alone = ref.generate([ids[0], ids[2]], GREEDY, use_tqdm=False)
+    assert outs["a"].finish_reason == outs["b"].finish_reason == "length"
+    # re-seeded after the failed batch step, the others still decode like a clean run
+    assert [outs["a"].token_ids, outs["b"].token_ids] == [o.token_ids for o in alone]
+    # the engine goes on serving
+    assert llm.generate([ids[0]], GREEDY, use_tqdm=False)[0].finish_reason == "length"
+    llm.close()
+    ref.close()
+
+
+def test_trace_has_a_track_per_stage_and_the_foreground(model, tmp_path):
+    llm = LLM(model, kv_mode="sparse", top_k=2, predictor="lookahead")
+    tracer = llm.engine.trace()
+    llm.generate(prompts(2), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                 use_tqdm=False)
+    llm.close()
+    path = tmp_path / "trace.json"
+    tracer.write(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {"predict", "select", "remote", "local", "fill", "foreground"} <= tracks
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 for e in spans)
+    assert any(e["name"].startswith("L3 step") for e in spans)
+
+
+def test_f_hbm_auto_picks_a_cap_from_measured_bandwidth(model):
+    llm = LLM(model, kv_mode="sparse", top_k=4, f_hbm="auto")
+    sparse = llm.engine.sparse
+    assert sparse.fetch_bandwidth > 0
+    llm.generate(prompts(2), GREEDY, use_tqdm=False)
+    assert sparse.forward_s > 0
+    assert 1 <= llm.stats()["fetch_cap"] <= 4
+    with pytest.raises(ValueError, match="f_hbm must be"):
+        LLM(model, kv_mode="sparse", f_hbm="sometimes")
+    llm.close()
