@@ -120,6 +120,13 @@ def _cmd_eval_recall(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
+    from oasiskv.bench.pipeline import run_pipeline_bench
+
+    run_pipeline_bench(args)
+    return 0
+
+
 def _cmd_eval_fidelity(args: argparse.Namespace) -> int:
     from oasiskv.eval.fidelity import run_fidelity_eval
 
@@ -187,6 +194,24 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--json", help="write the figures to this file")
     add_engine_flags(dec)
     dec.set_defaults(func=_cmd_bench_decode)
+
+    pipe = bench.add_parser("pipeline", help="prefetch: frozen vs sync vs async, per f_hbm")
+    pipe.add_argument("--model", default="smollm2-135m")
+    pipe.add_argument("--context", type=int, default=6144, help="prompt length in tokens")
+    pipe.add_argument("--batch", type=int, default=8, help="requests decoding together")
+    pipe.add_argument("--top-k", type=int, default=32)
+    pipe.add_argument("--predictor", default="lookahead", choices=("lookahead", "previous"))
+    pipe.add_argument("--drafter", default="resync", help="lookahead's drafter")
+    pipe.add_argument("--f-hbm", default="0.02,0.05,0.1,1.0,auto",
+                      help="admission caps to compare (fractions of K, or auto)")
+    pipe.add_argument("--steps", type=int, default=16, help="measured decode steps")
+    pipe.add_argument("--warmup", type=int, default=3, help="decode steps before measuring")
+    pipe.add_argument("--trace", help="Chrome trace of the async run at the first f_hbm")
+    pipe.add_argument("--dtype", default="float32")
+    pipe.add_argument("--num-threads", type=int, default=None)
+    pipe.add_argument("--json", help="write the figures to this file")
+    pipe.add_argument("--plot", help="write a bar plot (PNG) of step time per f_hbm and mode")
+    pipe.set_defaults(func=_cmd_bench_pipeline)
 
     evals = sub.add_parser("eval", help="measuring tools").add_subparsers(dest="eval",
                                                                          required=True)

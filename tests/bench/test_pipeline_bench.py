@@ -1,0 +1,31 @@
+"""`oasiskv bench pipeline` on a tiny model: frozen admits nothing, sync and async do the same
+work, the table, JSON, plot and trace are written."""
+
+import json
+
+from conftest import build_model_dir
+
+from oasiskv.cli import main
+
+
+def test_pipeline_bench_runs_every_mode(tmp_path, capsys):
+    model = build_model_dir(tmp_path / "m", num_hidden_layers=3)
+    out, png, trace = tmp_path / "p.json", tmp_path / "p.png", tmp_path / "t.json"
+    assert main(["bench", "pipeline", "--model", str(model), "--context", "200", "--batch", "2",
+                 "--top-k", "2", "--predictor", "previous", "--f-hbm", "0.5,auto",
+                 "--steps", "4", "--warmup", "2", "--json", str(out), "--plot", str(png),
+                 "--trace", str(trace)]) == 0
+    assert "x frozen" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["f_hbm"], r["mode"]) for r in rows] == [
+        (0.5, "frozen"), (0.5, "sync"), (0.5, "async"),
+        ("auto", "frozen"), ("auto", "sync"), ("auto", "async")]
+    by = {(r["f_hbm"], r["mode"]): r for r in rows}
+    assert by[(0.5, "frozen")]["admitted_per_step"] == 0
+    assert by[(0.5, "sync")]["admitted_per_step"] == by[(0.5, "async")]["admitted_per_step"]
+    assert by[(0.5, "sync")]["bytes_per_step"] == by[(0.5, "async")]["bytes_per_step"]
+    assert by[(0.5, "sync")]["admitted_per_step"] > 0
+    assert png.stat().st_size > 0
+    names = {e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"]
+             if e["name"] == "thread_name"}
+    assert "foreground" in names and "select" in names
