@@ -120,6 +120,13 @@ def _cmd_eval_recall(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from oasiskv.bench.throughput import run_throughput_bench
+
+    run_throughput_bench(args)
+    return 0
+
+
 def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
     from oasiskv.bench.pipeline import run_pipeline_bench
 
@@ -212,6 +219,25 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--json", help="write the figures to this file")
     pipe.add_argument("--plot", help="write a bar plot (PNG) of step time per f_hbm and mode")
     pipe.set_defaults(func=_cmd_bench_pipeline)
+
+    thr = bench.add_parser("throughput", help="dense vs sparse under one device KV budget, "
+                           "concurrency sweep")
+    thr.add_argument("--model", default="smollm2-135m")
+    thr.add_argument("--context", default="4096,7168", help="prompt lengths in tokens")
+    thr.add_argument("--output-len", type=int, default=64)
+    thr.add_argument("--concurrency", default="1,2,4,8,16,32",
+                     help="requests arriving at once (each level its own unique prompts)")
+    thr.add_argument("--device-kv-budget", default="1GiB")
+    thr.add_argument("--host-kv-budget", default="16GiB", help="sparse: host tier bytes")
+    thr.add_argument("--kv-mode", default="dense,sparse")
+    thr.add_argument("--top-k", type=int, default=32)
+    thr.add_argument("--f-hbm", default="0.05")
+    thr.add_argument("--predictor", default="lookahead")
+    thr.add_argument("--dtype", default="float32")
+    thr.add_argument("--num-threads", type=int, default=None)
+    thr.add_argument("--json", help="write the figures to this file")
+    thr.add_argument("--plot", help="write TPS and running batch vs concurrency (PNG)")
+    thr.set_defaults(func=_cmd_bench_throughput)
 
     evals = sub.add_parser("eval", help="measuring tools").add_subparsers(dest="eval",
                                                                          required=True)
