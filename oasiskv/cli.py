@@ -285,12 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
                          help="lookahead's drafter: self, ngram, resync, eagle:DIR")
         fid.add_argument("--samples", type=int, default=20, help="prompts per task and context")
         fid.add_argument("--seed", type=int, default=0)
+        fid.add_argument("--ppl-samples", type=int, default=None,
+                         help="passages for ppl (default: --samples)")
         fid.add_argument("--ppl-tokens", type=int, default=64,
                          help="ppl: teacher-forced tokens scored at the end of each passage")
         fid.add_argument("--agree-tokens", type=int, default=64,
                          help="ppl passages: greedy tokens compared with dense")
-        fid.add_argument("--group", type=int, default=4,
-                         help="prompts prefilled together and decoded as one batch")
+        fid.add_argument("--group", type=int, default=2,
+                         help="prompts prefilled together and decoded as one batch (every "
+                         "setting's engine holds the group's K/V: memory grows with it)")
         fid.add_argument("--no-chat", action="store_true",
                          help="plain prompts even when the model has a chat template")
         fid.add_argument("--dtype", default="float32")

@@ -212,12 +212,14 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
                for s in settings}
     tokenizer = next(iter(engines.values())).tokenizer
     rows, per_sample = [], []
-    total = len(contexts) * len(tasks) * args.samples
+    total = len(contexts) * sum((args.ppl_samples or args.samples) if t == "ppl" else args.samples
+                                for t in tasks)
     bar = tqdm(total=total, desc="eval", unit="prompt", dynamic_ncols=True)
     for context in contexts:
         for task in tasks:
             bar.set_description(f"{task} {context}")
-            samples = make_samples(task, tokenizer, context, args.samples, args.seed,
+            count = (args.ppl_samples or args.samples) if task == "ppl" else args.samples
+            samples = make_samples(task, tokenizer, context, count, args.seed,
                                    not args.no_chat, args.ppl_tokens)
             results = run_samples(engines, samples, args.group, args.agree_tokens, bar)
             for row in summarize(task, samples, results):
