@@ -131,8 +131,9 @@ class CacheConfig:
     score_alpha: float = _field(
         1.0, "sparse: block score q.c + alpha*|q|.r over the min/max key summary (1 = Quest)")
     prefetch: str = _field(
-        "async", "sparse: async runs each layer's next-step selection and fetch in the "
-        "background (worker threads on CPU, CUDA streams on GPU); sync runs them inline")
+        "sync", "sparse: async runs each layer's next-step selection and fetch in the "
+        "background (worker threads on CPU, CUDA streams on GPU); sync runs them inline "
+        "(the default: on a 2-core CPU the workers compete with the model for the cores)")
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

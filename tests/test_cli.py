@@ -46,7 +46,7 @@ TYPED = [
     ("top_k", "32", 32),
     ("f_hbm", "0.1", 0.1),
     ("f_hbm", "auto", "auto"),
-    ("prefetch", "sync", "sync"),
+    ("prefetch", "async", "async"),
     ("host_kv_budget", "2GiB", "2GiB"),
     ("predictor", "exact", "exact"),
     ("drafter", "ngram", "ngram"),

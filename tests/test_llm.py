@@ -48,7 +48,7 @@ FIELD_VALUES = {
     "speculative": ("accept", lambda e, _: e.config.spec.speculative == "accept"),
     "draft_model": (None, lambda e, _: e.config.spec.draft_model is None),
     "score_alpha": (0.5, lambda e, _: e.config.cache.score_alpha == 0.5),
-    "prefetch": ("sync", lambda e, _: e.config.cache.prefetch == "sync"),
+    "prefetch": ("async", lambda e, _: e.config.cache.prefetch == "async"),
 }
 
 

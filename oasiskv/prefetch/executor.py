@@ -56,6 +56,7 @@ def _run(stage: str, fn: Callable[[], None], after: Handle | None, handle: Handl
     try:
         if after is not None:
             after.wait()
+            start = time.perf_counter()  # the span shows the stage's work, not its wait
         fn()
     except PrefetchError as e:
         handle.finish(e)

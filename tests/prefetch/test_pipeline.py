@@ -70,7 +70,7 @@ def wait_spans(tracer) -> dict[int, float]:
 
 
 def test_a_slow_fetch_stalls_only_its_layer(model):
-    llm = LLM(model, kv_mode="sparse", top_k=2, predictor="previous")
+    llm = LLM(model, kv_mode="sparse", top_k=2, predictor="previous", prefetch="async")
     sparse = llm.engine.sparse
     slow_layer, delay = 2, 0.15
 
@@ -93,13 +93,13 @@ def test_no_worker_survives_shutdown(model):
         return {t for t in threading.enumerate() if t.name.startswith("oasiskv-")}
 
     before = workers()
-    llm = LLM(model, kv_mode="sparse", top_k=2)
+    llm = LLM(model, kv_mode="sparse", top_k=2, prefetch="async")
     assert len(workers() - before) == 5  # one per stage
     llm.generate(prompts(2), GREEDY, use_tqdm=False)
     llm.close()
     assert workers() == before
-    llm = LLM(model, kv_mode="sparse", top_k=2)  # dropped without close: the finalizer stops
-    del llm
+    llm = LLM(model, kv_mode="sparse", top_k=2, prefetch="async")
+    del llm  # dropped without close: the engine's finalizer stops the workers
     gc.collect()
     assert workers() == before
 
@@ -138,7 +138,7 @@ def test_a_failing_stage_fails_only_its_requests(model, mode):
 
 
 def test_trace_has_a_track_per_stage_and_the_foreground(model, tmp_path):
-    llm = LLM(model, kv_mode="sparse", top_k=2, predictor="lookahead")
+    llm = LLM(model, kv_mode="sparse", top_k=2, predictor="lookahead", prefetch="async")
     tracer = llm.engine.trace()
     llm.generate(prompts(2), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                  use_tqdm=False)
