@@ -24,10 +24,11 @@ import torch
 from oasiskv.config import CacheConfig
 from oasiskv.context import SeqAttention
 from oasiskv.engine.sequence import Sequence
-from oasiskv.kv.select import block_scores, insert_block, select_capped_lru, top_k_blocks
+from oasiskv.kv.select import insert_block
 from oasiskv.kv.summaries import summarize
 from oasiskv.prefetch.executor import InlineExecutor, PrefetchError
 from oasiskv.prefetch.pipeline import PrefetchPipeline
+from oasiskv.prefetch.stages import SelectJob
 
 
 @dataclass
@@ -55,7 +56,7 @@ class SparseCounters:
 
 
 @dataclass
-class _Decode:
+class StepDecode:
     seq: Sequence
     attn: SeqAttention | None  # None for a token committed after the step (accepted draft)
     pos: int  # position of the step's token
@@ -83,7 +84,7 @@ class SparseKV:
     frozen: bool = False  # benchmarks: no prefetch at all once seeded (working sets frozen)
     # stage name -> hook(layer, requests) run at the start of that stage (tests: delays, faults)
     stage_hooks: dict[str, Callable[[int, list[Sequence]], None]] = field(default_factory=dict)
-    _decodes: list[_Decode] = field(default_factory=list)
+    _decodes: list[StepDecode] = field(default_factory=list)
     _pending: SparseCounters = field(default_factory=SparseCounters)  # jobs' counts
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -171,12 +172,12 @@ class SparseKV:
         self.last_step.add(pending)
         self.counters.add(pending)
 
-    def _decode(self, seq: Sequence, attn: SeqAttention | None, pos: int) -> _Decode:
+    def _decode(self, seq: Sequence, attn: SeqAttention | None, pos: int) -> StepDecode:
         K, B = self.cfg.top_k, self.cfg.block_size
-        return _Decode(seq, attn, pos, torch.tensor(seq.host_table[:pos // B], dtype=torch.long),
+        return StepDecode(seq, attn, pos, torch.tensor(seq.host_table[:pos // B], dtype=torch.long),
                        torch.tensor(seq.block_table[:K + 1], dtype=torch.long) * B)
 
-    def _load(self, d: _Decode) -> None:
+    def _load(self, d: StepDecode) -> None:
         """First sparse decode step of a request: empty head map; the active block's tokens so
         far come from the host (its complete blocks are admitted by the first selection)."""
         L, _, hkv, _, _ = self.device_kv.shape
@@ -221,14 +222,14 @@ class SparseKV:
             self._submit_fill(self._decode(seq, None, pos), pos // B)
             self.flush()
 
-    def _submit_fill(self, d: _Decode, block: int) -> None:
+    def _submit_fill(self, d: StepDecode, block: int) -> None:
         ws = d.seq.working_set  # jobs keep theirs: the request may end while they run
         step = self.step
         for layer in range(self.device_kv.shape[0]):
             self.pipeline.submit(layer, f"fill step {step}", [
                 ("fill", lambda layer=layer: self._fill(d, ws, block, layer, step))], [d.seq])
 
-    def _fill(self, d: _Decode, ws: WorkingSet, block: int, layer: int, step: int) -> None:
+    def _fill(self, d: StepDecode, ws: WorkingSet, block: int, layer: int, step: int) -> None:
         K, B = self.cfg.top_k, self.cfg.block_size
         active = int(d.slab_tokens[K])
         host = d.seq.host_table[block] * B
@@ -299,7 +300,7 @@ class SparseKV:
             if self.cfg.predictor == "exact" or not ws.primed[layer]:
                 picks.append((d, q[d.attn.q_start]))
         if picks:  # on the critical path, with the stages' error reporting and trace spans
-            job = _SelectJob(self, layer, picks, self.step)
+            job = SelectJob(self, layer, picks, self.step)
             inline = InlineExecutor()
             inline.tracer = self.pipeline.tracer
             for stage, fn in (("predict", job.predict), ("select", job.select),
@@ -332,75 +333,7 @@ class SparseKV:
             ws.primed[layer] = True
         if not picks:
             return
-        job = _SelectJob(self, layer, picks, self.step)
+        job = SelectJob(self, layer, picks, self.step)
         self.pipeline.submit(layer, f"step {self.step}", [
             ("predict", job.predict), ("select", job.select), ("remote", job.remote),
             ("local", job.local)], [d.seq for d, _ in picks])
-
-
-class _SelectJob:
-    """The four stages of one (layer, step) selection for a batch's requests."""
-
-    def __init__(self, kv: SparseKV, layer: int, picks: list[tuple[_Decode, torch.Tensor]],
-                 step: int) -> None:
-        self.kv, self.layer, self.picks, self.step = kv, layer, picks, step
-        # captured now: a request may end (and drop its working set) while the job runs
-        self.working_sets = [d.seq.working_set for d, _ in picks]
-        self.predicted: list[tuple[_Decode, WorkingSet, torch.Tensor]] = []
-        self.heads: list[torch.Tensor] = []
-        self.dst: list[torch.Tensor] = []
-        self.src: list[torch.Tensor] = []
-
-    def _hook(self, stage: str) -> None:
-        hook = self.kv.stage_hooks.get(stage)
-        if hook is not None:
-            hook(self.layer, [d.seq for d, _ in self.picks])
-
-    def predict(self) -> None:
-        """Scores each request's complete blocks with its query ([H, d]); per-head top-K."""
-        self._hook("predict")
-        kv, layer = self.kv, self.layer
-        for (d, query), ws in zip(self.picks, self.working_sets, strict=True):
-            if len(d.host_ids) == 0:
-                continue
-            scores = block_scores(query, kv.kmin[layer, d.host_ids], kv.kmax[layer, d.host_ids],
-                                  kv.cfg.score_alpha)
-            self.predicted.append((d, ws, top_k_blocks(scores, kv.cfg.top_k)))
-
-    def select(self) -> None:
-        """Hits stay; up to the cap of misses replace LRU victims (head maps updated)."""
-        self._hook("select")
-        kv, layer, B = self.kv, self.layer, self.kv.cfg.block_size
-        counts = dict(predicted=0, hits=0, wanted=0, admitted=0)
-        for d, ws, top in self.predicted:
-            cap = kv.fetch_cap if ws.seeded[layer] else None
-            sel = select_capped_lru(ws.head_map[layer], ws.last_used[layer], top, cap,
-                                    self.step)
-            ws.seeded[layer] = ws.seeded[layer] or len(d.host_ids) > kv.cfg.top_k
-            counts["predicted"] += sel.predicted
-            counts["hits"] += sel.hits
-            counts["wanted"] += sel.wanted
-            counts["admitted"] += len(sel.slots)
-            self.heads.append(sel.heads)
-            self.dst.append(d.slab_tokens[sel.slots])
-            self.src.append(d.host_ids[sel.blocks] * B)
-        kv._count(**counts)
-
-    def remote(self) -> None:
-        """Single node: the host tier holds every block, nothing to fetch from remote memory."""
-        self._hook("remote")
-
-    def local(self) -> None:
-        """One vectorised gather of per-head block slices, host -> device slots."""
-        self._hook("local")
-        if not self.heads:
-            return
-        heads, dst, src = torch.cat(self.heads), torch.cat(self.dst), torch.cat(self.src)
-        if len(heads) == 0:
-            return
-        kv, B = self.kv, self.kv.cfg.block_size
-        arange_b = torch.arange(B)
-        h = heads[:, None]
-        kv.device_kv[self.layer][:, h, dst[:, None] + arange_b] = \
-            kv.host_kv[self.layer][:, h, src[:, None] + arange_b]
-        kv._count(h2d_bytes=len(heads) * kv.block_bytes_per_head)
