@@ -15,18 +15,20 @@ def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                  alpha: float = 1.0) -> torch.Tensor:
     """s_b = sum_h (q_h . c_b + alpha |q_h| . r_b) over the query heads h of each KV head.
 
-    q [H, d] (post-RoPE, one token); kmin/kmax [n, Hkv, d] -> scores [Hkv, n].
-    The block summary is shared by a KV head's group, so the sum over h moves onto q.
+    q [..., H, d] (post-RoPE, one token per leading index); kmin/kmax [..., n, Hkv, d] ->
+    scores [..., Hkv, n]. The block summary is shared by a KV head's group, so the sum over h
+    moves onto q.
     """
-    n, hkv, d = kmin.shape
-    qg = q.view(hkv, -1, d).float()  # [Hkv, G, d]
+    n, hkv, d = kmin.shape[-3:]
+    qg = q.reshape(*q.shape[:-2], hkv, -1, d).float()  # [..., Hkv, G, d]
     kmin, kmax = kmin.float(), kmax.float()
     if alpha == 1.0:  # Quest's bound: relu(q).kmax + min(q, 0).kmin, two matmuls per KV head
-        pos, neg = qg.clamp(min=0).sum(1), qg.clamp(max=0).sum(1)  # [Hkv, d]
-        return torch.einsum("gd,ngd->gn", pos, kmax) + torch.einsum("gd,ngd->gn", neg, kmin)
+        pos, neg = qg.clamp(min=0).sum(-2), qg.clamp(max=0).sum(-2)  # [..., Hkv, d]
+        return (torch.einsum("...gd,...ngd->...gn", pos, kmax)
+                + torch.einsum("...gd,...ngd->...gn", neg, kmin))
     center, radius = (kmax + kmin) / 2, (kmax - kmin) / 2
-    return (torch.einsum("gd,ngd->gn", qg.sum(1), center)
-            + alpha * torch.einsum("gd,ngd->gn", qg.abs().sum(1), radius))
+    return (torch.einsum("...gd,...ngd->...gn", qg.sum(-2), center)
+            + alpha * torch.einsum("...gd,...ngd->...gn", qg.abs().sum(-2), radius))
 
 
 def top_k_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -51,26 +53,52 @@ def select_capped_lru(head_map: torch.Tensor, last_used: torch.Tensor, predicted
     """Updates head_map / last_used ([K, Hkv], -1 = empty slot) in place for `predicted`
     ([Hkv, k], best first). Hits are marked used; up to `cap` misses per head (all when cap is
     None: seeding) enter, best first, each replacing an empty slot or else the least recently
-    selected block outside the predicted set. Misses beyond the cap stay out this step.
-    All heads at once: a few small tensor ops instead of a loop over heads."""
-    same = head_map.T[:, :, None] == predicted[:, None, :]  # [Hkv, K, k]
-    is_hit = same.any(dim=2)  # [Hkv, K] slot holds a predicted block
-    is_miss = ~same.any(dim=1)  # [Hkv, k] predicted block not resident
-    last_used.T[is_hit] = step
-    miss_rank = torch.cumsum(is_miss, dim=1) - 1  # order of each miss within its head
-    admit = is_miss & (miss_rank < (cap if cap is not None else predicted.shape[1]))
+    selected block outside the predicted set. Misses beyond the cap stay out this step."""
+    caps = torch.tensor([predicted.shape[1] if cap is None else cap])
+    b = select_capped_lru_batch(head_map[None], last_used[None], predicted[None], caps, step)
+    return Selection(b.slots, b.heads, b.blocks, int(b.predicted[0]), int(b.hits[0]),
+                     int(b.wanted[0]))
+
+
+@dataclass
+class BatchSelection:
+    """select_capped_lru_batch's admissions (parallel 1-D tensors) and per-request counts."""
+
+    requests: torch.Tensor  # [A] which request
+    slots: torch.Tensor  # [A]
+    heads: torch.Tensor  # [A]
+    blocks: torch.Tensor  # [A]
+    predicted: torch.Tensor  # [R]
+    hits: torch.Tensor  # [R]
+    wanted: torch.Tensor  # [R]
+
+
+def select_capped_lru_batch(head_map: torch.Tensor, last_used: torch.Tensor,
+                            predicted: torch.Tensor, caps: torch.Tensor,
+                            step: int) -> BatchSelection:
+    """select_capped_lru for R requests at once, a few tensor ops for the whole batch.
+
+    head_map / last_used [R, K, Hkv] (updated in place), predicted [R, Hkv, k] best first,
+    padded with -2 where a request has fewer than k blocks; caps [R] admissions per head."""
+    hm, lu = head_map.transpose(1, 2), last_used.transpose(1, 2)  # [R, Hkv, K] views
+    valid = predicted >= 0
+    same = hm[..., :, None] == predicted[..., None, :]  # [R, Hkv, K, k]
+    is_hit = same.any(dim=-1)  # [R, Hkv, K] slot holds a predicted block
+    is_miss = ~same.any(dim=-2) & valid  # [R, Hkv, k] predicted block not resident
+    lu[is_hit] = step
+    miss_rank = torch.cumsum(is_miss, dim=-1) - 1  # order of each miss within its head
+    admit = is_miss & (miss_rank < caps[:, None, None])
     # Victims: empty slots first, then the least recently selected non-predicted blocks; each
     # head has at least as many as misses (K - hits >= k - hits).
-    age = torch.where(head_map.T < 0, -1, last_used.T).masked_fill(is_hit, torch.iinfo(
-        last_used.dtype).max)  # [Hkv, K]
-    victims = torch.argsort(age, dim=1, stable=True)  # [Hkv, K]
-    heads, cols = admit.nonzero(as_tuple=True)  # by head, then score order
-    slots = victims[heads, miss_rank[heads, cols]]
-    blocks = predicted[heads, cols]
-    head_map[slots, heads] = blocks
-    last_used[slots, heads] = step
-    return Selection(slots, heads, blocks, predicted.numel(), int(is_hit.sum()),
-                     int(is_miss.sum()))
+    age = torch.where(hm < 0, -1, lu).masked_fill(is_hit, torch.iinfo(lu.dtype).max)
+    victims = torch.argsort(age, dim=-1, stable=True)  # [R, Hkv, K]
+    reqs, heads, cols = admit.nonzero(as_tuple=True)  # by request, head, then score order
+    slots = victims[reqs, heads, miss_rank[reqs, heads, cols]]
+    blocks = predicted[reqs, heads, cols]
+    head_map[reqs, slots, heads] = blocks
+    last_used[reqs, slots, heads] = step
+    return BatchSelection(reqs, slots, heads, blocks, valid.sum((1, 2)), is_hit.sum((1, 2)),
+                          is_miss.sum((1, 2)))
 
 
 def insert_block(head_map: torch.Tensor, last_used: torch.Tensor, block: int,

@@ -8,25 +8,26 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
-from oasiskv.kv.select import block_scores, select_capped_lru, top_k_blocks
+from oasiskv.kv.select import block_scores, select_capped_lru_batch
 
 if TYPE_CHECKING:
-    from oasiskv.kv.residency import SparseKV, StepDecode, WorkingSet
+    from oasiskv.kv.residency import SparseKV, StepDecode
 
 
 class SelectJob:
-    """The four stages of one (layer, step) selection for a batch's requests."""
+    """The four stages of one (layer, step) selection, batched over the requests."""
 
     def __init__(self, kv: SparseKV, layer: int, picks: list[tuple[StepDecode, torch.Tensor]],
                  step: int) -> None:
-        self.kv, self.layer, self.picks, self.step = kv, layer, picks, step
-        # captured now: a request may end (and drop its working set) while the job runs
-        self.working_sets = [d.seq.working_set for d, _ in picks]
-        self.predicted: list[tuple[StepDecode, WorkingSet, torch.Tensor]] = []
-        self.heads: list[torch.Tensor] = []
-        self.dst: list[torch.Tensor] = []
-        self.src: list[torch.Tensor] = []
+        self.kv, self.layer, self.step = kv, layer, step
+        # only requests with complete blocks select; working sets captured now (a request
+        # may end, and drop its working set, while the job runs)
+        self.picks = [(d, q) for d, q in picks if len(d.host_ids)]
+        self.working_sets = [d.seq.working_set for d, _ in self.picks]
+        self.ids = self.lengths = self.predicted = None
+        self.heads = self.dst = self.src = None
 
     def _hook(self, stage: str) -> None:
         hook = self.kv.stage_hooks.get(stage)
@@ -34,34 +35,44 @@ class SelectJob:
             hook(self.layer, [d.seq for d, _ in self.picks])
 
     def predict(self) -> None:
-        """Scores each request's complete blocks with its query ([H, d]); per-head top-K."""
+        """Scores every request's complete blocks with its query; per-head top-K."""
         self._hook("predict")
-        kv, layer = self.kv, self.layer
-        for (d, query), ws in zip(self.picks, self.working_sets, strict=True):
-            if len(d.host_ids) == 0:
-                continue
-            scores = block_scores(query, kv.kmin[layer, d.host_ids], kv.kmax[layer, d.host_ids],
-                                  kv.cfg.score_alpha)
-            self.predicted.append((d, ws, top_k_blocks(scores, kv.cfg.top_k)))
+        if not self.picks:
+            return
+        kv, K = self.kv, self.kv.cfg.top_k
+        self.ids = pad_sequence([d.host_ids for d, _ in self.picks], batch_first=True)  # [R, n]
+        self.lengths = torch.tensor([len(d.host_ids) for d, _ in self.picks])
+        q = torch.stack([query for _, query in self.picks])  # [R, H, d]
+        scores = block_scores(q, kv.kmin[self.layer][self.ids], kv.kmax[self.layer][self.ids],
+                              kv.cfg.score_alpha)  # [R, Hkv, n]
+        n = self.ids.shape[1]
+        pad = torch.arange(n) >= self.lengths[:, None]  # [R, n]
+        scores.masked_fill_(pad[:, None, :], float("-inf"))
+        top = torch.topk(scores, min(K, n), dim=-1, sorted=True).indices  # [R, Hkv, k]
+        real = torch.arange(top.shape[-1]) < self.lengths.clamp(max=K)[:, None]  # [R, k]
+        self.predicted = top.masked_fill(~real[:, None, :], -2)
 
     def select(self) -> None:
         """Hits stay; up to the cap of misses replace LRU victims (head maps updated)."""
         self._hook("select")
-        kv, layer, B = self.kv, self.layer, self.kv.cfg.block_size
-        counts = dict(predicted=0, hits=0, wanted=0, admitted=0)
-        for d, ws, top in self.predicted:
-            cap = kv.fetch_cap if ws.seeded[layer] else None
-            sel = select_capped_lru(ws.head_map[layer], ws.last_used[layer], top, cap,
-                                    self.step)
-            ws.seeded[layer] = ws.seeded[layer] or len(d.host_ids) > kv.cfg.top_k
-            counts["predicted"] += sel.predicted
-            counts["hits"] += sel.hits
-            counts["wanted"] += sel.wanted
-            counts["admitted"] += len(sel.slots)
-            self.heads.append(sel.heads)
-            self.dst.append(d.slab_tokens[sel.slots])
-            self.src.append(d.host_ids[sel.blocks] * B)
-        kv._count(**counts)
+        if self.predicted is None:
+            return
+        kv, layer, K, B = self.kv, self.layer, self.kv.cfg.top_k, self.kv.cfg.block_size
+        wss = self.working_sets
+        head_map = torch.stack([ws.head_map[layer] for ws in wss])  # [R, K, Hkv]
+        last_used = torch.stack([ws.last_used[layer] for ws in wss])
+        k = self.predicted.shape[-1]
+        caps = torch.tensor([kv.fetch_cap if ws.seeded[layer] else k for ws in wss])
+        sel = select_capped_lru_batch(head_map, last_used, self.predicted, caps, self.step)
+        for i, ws in enumerate(wss):
+            ws.head_map[layer], ws.last_used[layer] = head_map[i], last_used[i]
+            ws.seeded[layer] = ws.seeded[layer] or int(self.lengths[i]) > K
+        kv._count(predicted=int(sel.predicted.sum()), hits=int(sel.hits.sum()),
+                  wanted=int(sel.wanted.sum()), admitted=len(sel.slots))
+        slab = torch.stack([d.slab_tokens for d, _ in self.picks])  # [R, K+1]
+        self.heads = sel.heads
+        self.dst = slab[sel.requests, sel.slots]
+        self.src = self.ids[sel.requests, sel.blocks] * B
 
     def remote(self) -> None:
         """Single node: the host tier holds every block, nothing to fetch from remote memory."""
@@ -70,14 +81,11 @@ class SelectJob:
     def local(self) -> None:
         """One vectorised gather of per-head block slices, host -> device slots."""
         self._hook("local")
-        if not self.heads:
-            return
-        heads, dst, src = torch.cat(self.heads), torch.cat(self.dst), torch.cat(self.src)
-        if len(heads) == 0:
+        if self.heads is None or len(self.heads) == 0:
             return
         kv, B = self.kv, self.kv.cfg.block_size
         arange_b = torch.arange(B)
-        h = heads[:, None]
-        kv.device_kv[self.layer][:, h, dst[:, None] + arange_b] = \
-            kv.host_kv[self.layer][:, h, src[:, None] + arange_b]
-        kv._count(h2d_bytes=len(heads) * kv.block_bytes_per_head)
+        h = self.heads[:, None]
+        kv.device_kv[self.layer][:, h, self.dst[:, None] + arange_b] = \
+            kv.host_kv[self.layer][:, h, self.src[:, None] + arange_b]
+        kv._count(h2d_bytes=len(self.heads) * kv.block_bytes_per_head)
