@@ -24,6 +24,7 @@ import torch
 from oasiskv.config import CacheConfig
 from oasiskv.context import SeqAttention
 from oasiskv.engine.sequence import Sequence
+from oasiskv.kv.blocks import is_contiguous
 from oasiskv.kv.select import insert_block
 from oasiskv.kv.summaries import summarize
 from oasiskv.prefetch.executor import InlineExecutor, PrefetchError
@@ -62,6 +63,7 @@ class StepDecode:
     pos: int  # position of the step's token
     host_ids: torch.Tensor  # [n_full] host block of each complete logical block
     slab_tokens: torch.Tensor  # [K+1] first device token slot of each slot
+    host_start: int | None = None  # host_ids[0] when they are one run (summaries: a view)
 
 
 @dataclass
@@ -174,8 +176,10 @@ class SparseKV:
 
     def _decode(self, seq: Sequence, attn: SeqAttention | None, pos: int) -> StepDecode:
         K, B = self.cfg.top_k, self.cfg.block_size
-        return StepDecode(seq, attn, pos, torch.tensor(seq.host_table[:pos // B], dtype=torch.long),
-                       torch.tensor(seq.block_table[:K + 1], dtype=torch.long) * B)
+        full = seq.host_table[:pos // B]
+        return StepDecode(seq, attn, pos, torch.tensor(full, dtype=torch.long),
+                          torch.tensor(seq.block_table[:K + 1], dtype=torch.long) * B,
+                          full[0] if full and is_contiguous(full) else None)
 
     def _load(self, d: StepDecode) -> None:
         """First sparse decode step of a request: empty head map; the active block's tokens so

@@ -20,15 +20,16 @@ def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     moves onto q.
     """
     n, hkv, d = kmin.shape[-3:]
-    qg = q.reshape(*q.shape[:-2], hkv, -1, d).float()  # [..., Hkv, G, d]
+    qg = q.reshape(*q.shape[:-2], hkv, -1, d).float()[..., None, :, :, :]  # [..., 1, Hkv, G, d]
     kmin, kmax = kmin.float(), kmax.float()
-    if alpha == 1.0:  # Quest's bound: relu(q).kmax + min(q, 0).kmin, two matmuls per KV head
-        pos, neg = qg.clamp(min=0).sum(-2), qg.clamp(max=0).sum(-2)  # [..., Hkv, d]
-        return (torch.einsum("...gd,...ngd->...gn", pos, kmax)
-                + torch.einsum("...gd,...ngd->...gn", neg, kmin))
-    center, radius = (kmax + kmin) / 2, (kmax - kmin) / 2
-    return (torch.einsum("...gd,...ngd->...gn", qg.sum(-2), center)
-            + alpha * torch.einsum("...gd,...ngd->...gn", qg.abs().sum(-2), radius))
+    # Broadcast multiply + sum over d: on CPU several times faster than einsum here.
+    if alpha == 1.0:  # Quest's bound: relu(q).kmax + min(q, 0).kmin
+        pos, neg = qg.clamp(min=0).sum(-2), qg.clamp(max=0).sum(-2)  # [..., 1, Hkv, d]
+        scores = (kmax * pos).sum(-1) + (kmin * neg).sum(-1)  # [..., n, Hkv]
+    else:
+        center, radius = (kmax + kmin) / 2, (kmax - kmin) / 2
+        scores = (center * qg.sum(-2)).sum(-1) + alpha * (radius * qg.abs().sum(-2)).sum(-1)
+    return scores.transpose(-1, -2)
 
 
 def top_k_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -40,14 +40,18 @@ class SelectJob:
         if not self.picks:
             return
         kv, K = self.kv, self.kv.cfg.top_k
+        kmin, kmax = kv.kmin[self.layer], kv.kmax[self.layer]  # [host_blocks, Hkv, d]
         self.ids = pad_sequence([d.host_ids for d, _ in self.picks], batch_first=True)  # [R, n]
         self.lengths = torch.tensor([len(d.host_ids) for d, _ in self.picks])
-        q = torch.stack([query for _, query in self.picks])  # [R, H, d]
-        scores = block_scores(q, kv.kmin[self.layer][self.ids], kv.kmax[self.layer][self.ids],
-                              kv.cfg.score_alpha)  # [R, Hkv, n]
         n = self.ids.shape[1]
-        pad = torch.arange(n) >= self.lengths[:, None]  # [R, n]
-        scores.masked_fill_(pad[:, None, :], float("-inf"))
+        scores = torch.full((len(self.picks), kmin.shape[1], n), float("-inf"))  # [R, Hkv, n]
+        for r, (d, query) in enumerate(self.picks):
+            if d.host_start is not None:  # one run of host blocks: score a view, no gather
+                run = slice(d.host_start, d.host_start + len(d.host_ids))
+                lo, hi = kmin[run], kmax[run]
+            else:
+                lo, hi = kmin[d.host_ids], kmax[d.host_ids]
+            scores[r, :, :len(d.host_ids)] = block_scores(query, lo, hi, kv.cfg.score_alpha)
         top = torch.topk(scores, min(K, n), dim=-1, sorted=True).indices  # [R, Hkv, k]
         real = torch.arange(top.shape[-1]) < self.lengths.clamp(max=K)[:, None]  # [R, k]
         self.predicted = top.masked_fill(~real[:, None, :], -2)

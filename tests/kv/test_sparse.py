@@ -193,9 +193,10 @@ def test_working_set_invariants_under_random_schedules(tiny_llama, lengths, top_
         e.step()
         step = e.sparse.last_step
         check_working_sets(e)
-        # a decode: one token that samples (a 1-token prefill chunk samples nothing)
+        # a decode: one output token (every prompt token, even alone in a chunk, is prefill)
         decodes = [(s, *before[id(s)]) for s in seqs
-                   if s.num_computed_tokens == before[id(s)][0] + 1 == s.num_tokens - 1]
+                   if s.num_computed_tokens == before[id(s)][0] + 1 == s.num_tokens - 1
+                   and before[id(s)][0] >= s.num_prompt_tokens]
         # hand-computed bytes: each admission moves one head's K+V slice of one block; a first
         # decode loads the active block's tokens; each filled block goes to the host whole
         first_loads = sum(pos % 16 for _, pos, fresh, _ in decodes if fresh)
