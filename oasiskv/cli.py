@@ -52,6 +52,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if prompt is None:
         raise ValueError("give --prompt TEXT or --prompt-file FILE")
     llm = LLM(**engine_kwargs(args))
+    tracer = llm.engine.trace() if args.trace else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.sampling_top_k, seed=args.sampling_seed,
                             stop=args.stop, ignore_eos=args.ignore_eos)
@@ -61,6 +62,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         out = llm.generate(prompt, params)[0]
     stats = llm.stats()
     steps = list(llm.engine.step_log)
+    llm.close()
+    if tracer is not None:
+        tracer.write(args.trace)
     print(out.text)
     if args.step_stats:
         print(step_table(steps), file=sys.stderr)
@@ -86,14 +90,16 @@ def summary(out, stats: dict, steps: list[dict]) -> str:
     if "sparse_predicted" not in stats:
         return line
     decodes = [s for s in steps if s["decode_tokens"]]
-    mean = {k: sum(s[k] for s in decodes) / max(len(decodes), 1) for k in _STEP_COLUMNS}
+    mean = {k: sum(s[k] for s in decodes) / max(len(decodes), 1)
+            for k in (*_STEP_COLUMNS, "stall_s", "time_s")}
     line += (f", of which a {stats['slab_bytes'] / _MiB:.1f} MiB working-set slab per request "
              f"| host KV {stats['host_peak_bytes'] / _MiB:.1f} MiB peak")
     return line + (
         f"\n[oasiskv] sparse, per decode step (mean of {len(decodes)}): predicted "
         f"{mean['predicted']:.0f} block-heads, hits {mean['hits']:.0f}, wanted "
         f"{mean['wanted']:.1f}, admitted {mean['admitted']:.1f} | host->device "
-        f"{mean['h2d_bytes'] / 1024:.1f} KiB, device->host {mean['d2h_bytes'] / 1024:.1f} KiB")
+        f"{mean['h2d_bytes'] / 1024:.1f} KiB, device->host {mean['d2h_bytes'] / 1024:.1f} KiB "
+        f"| prefetch stall {mean['stall_s'] * 1e3:.1f} of {mean['time_s'] * 1e3:.1f} ms")
 
 
 def step_table(steps: list[dict]) -> str:
@@ -186,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", help="write the output, figures and per-step log to this file")
+    gen.add_argument("--trace", help="write a Chrome trace (chrome://tracing, Perfetto) of "
+                     "the sparse prefetch pipeline and the model's layers to this file")
     gen.add_argument("--step-stats", action="store_true",
                      help="print a table of every step (tokens, time; sparse: blocks, bytes)")
     add_engine_flags(gen)

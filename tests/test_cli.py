@@ -161,7 +161,8 @@ def test_generate_sparse_prints_per_step_figures(tiny_llama, tmp_path, capsys):
     out_json = tmp_path / "out.json"
     rc = main(["generate", "--model", str(tiny_llama), "--prompt-file", str(prompt),
                "--max-tokens", "20", "--ignore-eos", "--kv-mode", "sparse", "--top-k", "2",
-               "--f-hbm", "0.5", "--step-stats", "--json", str(out_json)])
+               "--f-hbm", "0.5", "--step-stats", "--json", str(out_json), "--prefetch", "async",
+               "--trace", str(tmp_path / "trace.json")])
     err = capsys.readouterr().err
     assert rc == 0, err
     data = json.loads(out_json.read_text())
@@ -180,3 +181,6 @@ def test_generate_sparse_prints_per_step_figures(tiny_llama, tmp_path, capsys):
     assert s["sparse_admitted"] <= s["sparse_wanted"] and s["sparse_hits"] > 0
     assert s["slab_bytes"] == 3 * s["kv_bytes_per_block"]
     assert "| step | seqs |" in err  # the --step-stats table
+    assert "prefetch stall" in line
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert any(e["ph"] == "X" and e["name"].startswith("L0 step") for e in events)
