@@ -20,7 +20,14 @@ import time
 
 import torch
 
-from oasiskv.bench.common import markdown_table, parse_list, unique_prompts, write_json
+from oasiskv.bench.common import (
+    markdown_table,
+    parse_list,
+    pyplot,
+    save_figure,
+    unique_prompts,
+    write_json,
+)
 from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.sampling_params import SamplingParams
@@ -70,10 +77,7 @@ COLUMNS = [("f_hbm", "f_hbm"), ("mode", "mode"), ("step_ms", "step ms"),
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     labels = list(dict.fromkeys(str(r["f_hbm"]) for r in rows))
@@ -88,10 +92,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_title(title)
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:

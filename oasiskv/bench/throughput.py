@@ -25,7 +25,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from oasiskv.bench.common import markdown_table, parse_list, unique_prompts, write_json
+from oasiskv.bench.common import (
+    markdown_table,
+    parse_list,
+    pyplot,
+    save_figure,
+    unique_prompts,
+    write_json,
+)
 from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.sampling_params import SamplingParams
@@ -87,10 +94,7 @@ COLUMNS = [("context", "context"), ("concurrency", "conc"), ("mode", "mode"),
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for (context, mode), style in zip(sorted({(r["context"], r["mode"]) for r in rows}),
@@ -107,10 +111,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def run_throughput_bench(args: argparse.Namespace) -> list[dict]:

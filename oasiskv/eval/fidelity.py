@@ -109,7 +109,10 @@ def make_samples(task: str, tokenizer, context: int, n: int, seed: int, chat: bo
     return out
 
 
-def decode_all(engine, requests: list[tuple[list[int], SamplingParams, torch.Tensor]]) -> list:
+Request = tuple[list[int], SamplingParams, torch.Tensor | None]  # ids, params, prefix K/V
+
+
+def decode_all(engine, requests: list[Request]) -> list:
     """Runs requests (ids, params, prefix K/V) to completion together; outputs in order."""
     order = [engine.add_request(ids, params, prefix_kv=kv) for ids, params, kv in requests]
     done = {}

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from oasiskv.bench.common import markdown_table, parse_list, write_json
+from oasiskv.bench.common import markdown_table, parse_list, pyplot, save_figure, write_json
 from oasiskv.config import SpecConfig
 from oasiskv.context import SeqAttention, set_context
 from oasiskv.data.austen import austen_text
@@ -469,10 +469,7 @@ def row_label(row: dict) -> str:
 
 def plot_recall(rows: list[dict], path: str, title: str = "") -> None:
     """Per-layer recall, one line per row (colour: predictor/drafter, line style: K)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(dict.fromkeys((r["predictor"], r["drafter"]) for r in rows))
     styles = ["-", "--", ":", "-."]
@@ -488,10 +485,7 @@ def plot_recall(rows: list[dict], path: str, title: str = "") -> None:
     ax.set_title(title or "per-layer recall of the next step's exact top-K blocks")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def run_recall(llm, prompts: list[dict], spec: RecallSpec, progress: bool | None = None,

@@ -38,10 +38,6 @@ class Handle:
         self.error = error
         self._done.set()
 
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
     def wait(self) -> None:
         self._done.wait()
         if self.event is not None:  # the caller's stream waits; the host does not
@@ -132,10 +128,6 @@ class ThreadExecutor(Executor):
         for t in self._threads:
             t.join()
         self._threads = []
-
-    @property
-    def alive(self) -> int:
-        return sum(t.is_alive() for t in self._threads)
 
 
 class CudaStreamExecutor(Executor):

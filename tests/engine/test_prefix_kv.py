@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from oasiskv import LLM, SamplingParams
+from oasiskv.eval.fidelity import decode_all
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SPARSE = dict(kv_mode="sparse", top_k=3, f_hbm=0.5)
@@ -20,15 +21,8 @@ def prompts(n: int, length: int) -> list[list[int]]:
 
 
 def run(llm: LLM, ids: list[list[int]], params: SamplingParams, kvs=None) -> list:
-    engine = llm.engine
-    order = [engine.add_request(p, params, prefix_kv=None if kvs is None else kvs[i])
-             for i, p in enumerate(ids)]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[r] for r in order]
+    kvs = kvs or [None] * len(ids)
+    return decode_all(llm.engine, [(p, params, kv) for p, kv in zip(ids, kvs, strict=True)])
 
 
 @pytest.mark.parametrize("mode", [{}, SPARSE], ids=["dense", "sparse"])
