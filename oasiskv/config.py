@@ -128,6 +128,12 @@ class CacheConfig:
         "lookahead", "sparse: which query picks the blocks: lookahead (the draft token's, for "
         "the next step), previous (this step's, for the next), exact (this step's, for this "
         "step: on the critical path)")
+    sink_blocks: int = _field(
+        0, "sparse: the first blocks of a request stay in every working set (attention sinks, "
+        "as Quest/FreeKV keep sink tokens; the paper's OasisKV uses none); part of top_k")
+    recent_blocks: int = _field(
+        0, "sparse: the last complete blocks stay in every working set (a local window, as "
+        "Quest/FreeKV keep recent tokens); part of top_k")
     score_alpha: float = _field(
         1.0, "sparse: block score q.c + alpha*|q|.r over the min/max key summary (1 = Quest)")
     prefetch: str = _field(
@@ -160,6 +166,13 @@ class CacheConfig:
                 raise ValueError(f"f_hbm must be in (0, 1] or auto, got {self.f_hbm}")
         if self.prefetch not in PREFETCH:
             raise ValueError(f"prefetch must be one of {PREFETCH}, got {self.prefetch!r}")
+        for name in ("sink_blocks", "recent_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.sink_blocks + self.recent_blocks >= self.top_k:
+            raise ValueError(f"sink_blocks + recent_blocks ({self.sink_blocks} + "
+                             f"{self.recent_blocks}) must leave room in top_k ({self.top_k}) "
+                             "for selected blocks")
         if self.score_alpha < 0:
             raise ValueError(f"score_alpha must be >= 0, got {self.score_alpha}")
 

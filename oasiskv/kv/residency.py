@@ -35,7 +35,7 @@ from oasiskv.prefetch.stages import SelectJob
 @dataclass
 class WorkingSet:
     head_map: torch.Tensor  # [L, K, Hkv] logical block per (slot, head); -1 = empty
-    last_used: torch.Tensor  # [L, K, Hkv] step at which the slot's block was last selected
+    last_used: torch.Tensor  # [L, K, Hkv] when the slot's block was last selected (select.stamp)
     seeded: list[bool]  # per layer: the cap applies once a top-K set was chosen uncapped
     primed: list[bool]  # per layer: the previous step already chose this step's blocks
 

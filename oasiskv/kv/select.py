@@ -10,6 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
+RANKS = 1 << 20  # more than any K: a stamp's rank part never reaches the next step
+
+
+def stamp(step: int, rank: torch.Tensor | int = 0) -> torch.Tensor | int:
+    """When a slot's block was last selected, as one integer: any pick of a later step is more
+    recent, and within a step a better-ranked pick is more recent, so a block that fills at
+    the end of a step displaces the step's lowest-ranked pick (never a pinned block)."""
+    return step * RANKS + (RANKS - 1) - rank
+
 
 def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                  alpha: float = 1.0) -> torch.Tensor:
@@ -86,7 +95,8 @@ def select_capped_lru_batch(head_map: torch.Tensor, last_used: torch.Tensor,
     same = hm[..., :, None] == predicted[..., None, :]  # [R, Hkv, K, k]
     is_hit = same.any(dim=-1)  # [R, Hkv, K] slot holds a predicted block
     is_miss = ~same.any(dim=-2) & valid  # [R, Hkv, k] predicted block not resident
-    lu[is_hit] = step
+    hit_rank = (same * torch.arange(same.shape[-1])).sum(-1)  # [R, Hkv, K] (one match at most)
+    lu[...] = torch.where(is_hit, stamp(step, hit_rank), lu)
     miss_rank = torch.cumsum(is_miss, dim=-1) - 1  # order of each miss within its head
     admit = is_miss & (miss_rank < caps[:, None, None])
     # Victims: empty slots first, then the least recently selected non-predicted blocks; each
@@ -97,7 +107,7 @@ def select_capped_lru_batch(head_map: torch.Tensor, last_used: torch.Tensor,
     slots = victims[reqs, heads, miss_rank[reqs, heads, cols]]
     blocks = predicted[reqs, heads, cols]
     head_map[reqs, slots, heads] = blocks
-    last_used[reqs, slots, heads] = step
+    last_used[reqs, slots, heads] = stamp(step, cols)
     return BatchSelection(reqs, slots, heads, blocks, valid.sum((1, 2)), is_hit.sum((1, 2)),
                           is_miss.sum((1, 2)))
 
@@ -113,5 +123,5 @@ def insert_block(head_map: torch.Tensor, last_used: torch.Tensor, block: int,
     new = ~(head_map == block).any(dim=0)
     slots, heads = slots[new], heads[new]
     head_map[slots, heads] = block
-    last_used[slots, heads] = step
+    last_used[slots, heads] = stamp(step)
     return slots, heads

@@ -16,6 +16,14 @@ if TYPE_CHECKING:
     from oasiskv.kv.residency import SparseKV, StepDecode
 
 
+def pinned_blocks(lengths: torch.Tensor, n: int, sink: int, recent: int) -> torch.Tensor:
+    """[R, n] True for each request's first `sink` and last `recent` complete blocks: they
+    score +inf, so top-K always keeps them (and, once resident, they are always hits)."""
+    idx = torch.arange(n)[None, :]
+    real = idx < lengths[:, None]
+    return real & ((idx < sink) | (idx >= lengths[:, None] - recent))
+
+
 class SelectJob:
     """The four stages of one (layer, step) selection, batched over the requests."""
 
@@ -52,6 +60,8 @@ class SelectJob:
             else:
                 lo, hi = kmin[d.host_ids], kmax[d.host_ids]
             scores[r, :, :len(d.host_ids)] = block_scores(query, lo, hi, kv.cfg.score_alpha)
+        scores.masked_fill_(pinned_blocks(self.lengths, n, kv.cfg.sink_blocks,
+                                          kv.cfg.recent_blocks)[:, None, :], float("inf"))
         top = torch.topk(scores, min(K, n), dim=-1, sorted=True).indices  # [R, Hkv, k]
         real = torch.arange(top.shape[-1]) < self.lengths.clamp(max=K)[:, None]  # [R, k]
         self.predicted = top.masked_fill(~real[:, None, :], -2)

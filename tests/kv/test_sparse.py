@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import oasiskv.engine.engine as engine_mod
 from oasiskv import LLM, SamplingParams
+from oasiskv.config import CacheConfig
 from oasiskv.kv.select import block_scores, insert_block, select_capped_lru, top_k_blocks
 
 # ---------------------------------------------------------------- scoring and top-K
@@ -88,6 +89,21 @@ def test_capped_lru_selection_invariants(data):
             misses = [b for b in predicted[g].tolist() if b not in before[:, g].tolist()]
             assert sel.blocks[sel.heads == g].tolist() == misses[:admitted]
         assert len(sel.slots) == len(sel.heads) == len(sel.blocks)
+
+
+def test_a_filled_block_displaces_the_lowest_ranked_pick_of_the_step():
+    head_map = torch.full((4, 2), -1, dtype=torch.long)
+    last_used = torch.zeros((4, 2), dtype=torch.long)
+    predicted = torch.tensor([[5, 1, 7, 3], [2, 6, 0, 4]])  # [Hkv, k] best first
+    select_capped_lru(head_map, last_used, predicted, None, step=3)
+    insert_block(head_map, last_used, 9, step=3)
+    for g, worst in enumerate((3, 4)):
+        held = set(head_map[:, g].tolist())
+        assert held == set(predicted[g].tolist()) - {worst} | {9}
+    # a later step's hit is more recent than any pick of this step, whatever its rank
+    select_capped_lru(head_map, last_used, torch.tensor([[7], [0]]), 1, step=4)
+    insert_block(head_map, last_used, 10, step=4)
+    assert 7 in head_map[:, 0].tolist() and 0 in head_map[:, 1].tolist()
 
 
 # ---------------------------------------------------------------- engine: sparse vs dense
@@ -205,6 +221,36 @@ def test_working_set_invariants_under_random_schedules(tiny_llama, lengths, top_
         seeded = [d for d in decodes if d[3]]
         if seeded and len(seeded) == len(decodes):
             assert step.admitted <= cap * cfg.num_kv_heads * cfg.num_layers * len(seeded)
+
+
+@pytest.mark.parametrize("predictor", ["lookahead", "exact"])
+def test_sink_and_recent_blocks_stay_in_every_working_set(tiny_llama, predictor):
+    sink, recent = 2, 1
+    llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=4, f_hbm=0.25, sink_blocks=sink,
+              recent_blocks=recent, predictor=predictor, max_num_seqs=2)
+    e = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for p in prompts_of([100, 130], e.model_config.vocab_size):
+        e.add_request(p, params)
+    checked = 0
+    while e.has_unfinished():
+        e.step()
+        check_working_sets(e)
+        for seq in e.scheduler.running:
+            if seq.working_set is None:
+                continue
+            n_full = seq.num_computed_tokens // 16
+            pinned = set(range(sink)) | set(range(n_full - recent, n_full))
+            for layer_map in seq.working_set.head_map:  # [K, Hkv]
+                for g in range(layer_map.shape[1]):
+                    assert pinned <= set(layer_map[:, g].tolist())
+            checked += 1
+    assert checked > 40
+
+
+def test_pinned_blocks_must_leave_room_for_selection():
+    with pytest.raises(ValueError, match="sink_blocks \\+ recent_blocks"):
+        CacheConfig(kv_mode="sparse", top_k=4, sink_blocks=2, recent_blocks=2)
 
 
 def test_one_token_prefill_chunks_summarize_the_blocks_they_complete(tiny_llama):
