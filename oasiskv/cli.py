@@ -239,7 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--host-kv-budget", default="16GiB", help="sparse: host tier bytes")
     thr.add_argument("--kv-mode", default="dense,sparse")
     thr.add_argument("--top-k", type=int, default=32)
-    thr.add_argument("--f-hbm", default="0.05")
+    thr.add_argument("--f-hbm", default="0.05",
+                     help="sparse fetch cap; several (0.02,0.05,0.1,1.0) add an ablation table")
+    thr.add_argument("--kv-cache-dir", default=None,
+                     help="keep the prompts' computed K/V here and reuse it in later runs "
+                     "(default: a temporary directory)")
+    thr.add_argument("--peer", default="",
+                     help="other engines on the same prompts: hf (transformers generate)")
     thr.add_argument("--predictor", default="lookahead")
     thr.add_argument("--dtype", default="float32")
     thr.add_argument("--num-threads", type=int, default=None)
@@ -289,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
         fid.add_argument("--predictor", default="lookahead,previous,exact",
                          help="sparse predictors to compare")
         fid.add_argument("--top-k", default="32,128", help="sparse K values")
+        fid.add_argument("--sink-blocks", default="0",
+                         help="sparse: first blocks always kept (values to compare, e.g. 0,4)")
+        fid.add_argument("--recent-blocks", default="0",
+                         help="sparse: last complete blocks always kept (values to compare)")
         fid.add_argument("--drafter", default="resync",
                          help="lookahead's drafter: self, ngram, resync, eagle:DIR")
         fid.add_argument("--samples", type=int, default=20, help="prompts per task and context")

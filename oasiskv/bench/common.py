@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
+import time
 from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from oasiskv.models.registry import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +44,38 @@ def unique_prompts(tokenizer, count: int, length: int,
     """`count` prompts of exactly `length` tokens from disjoint places in the text (no shared
     prefixes, so no engine can reuse work between them)."""
     text, source = long_text()
-    ids = tokenizer.encode(text[: (count * length + length) * 8], add_special_tokens=False)
+    # a fixed pool of at least 64 prompt places: the first c prompts do not depend on count,
+    # so runs with different concurrency levels share prompts (and cached prompt K/V)
+    pool = max(count, 64)
+    ids = tokenizer.encode(text[: (pool * length + length) * 8], add_special_tokens=False)
     if len(ids) < count * length:
         ids = ids * (count * length // max(len(ids), 1) + 1)
     rng = random.Random(seed)
     slots = list(range(len(ids) // length))
     rng.shuffle(slots)
     return [ids[s * length:(s + 1) * length] for s in slots[:count]], source
+
+
+def prefix_kv_files(engine, prompts: list[list[int]], cache_dir: Path,
+                    desc: str = "prefill") -> tuple[list[Path], float]:
+    """Each prompt's K/V (all but its last token, `engine.compute_prefix_kv`) as a safetensors
+    file under cache_dir, keyed by model, dtype and tokens: computed once, reused by later
+    runs. Returns the files and the seconds spent computing the missing ones."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    model = str(resolve_model(engine.config.model).resolve())
+    files, seconds = [], 0.0
+    for p in tqdm(prompts, desc=desc, unit="prompt"):
+        key = hashlib.sha256(f"{model}|{engine.config.dtype}|".encode()
+                             + torch.tensor(p[:-1]).numpy().tobytes()).hexdigest()[:32]
+        path = cache_dir / f"{key}.safetensors"
+        if not path.exists():
+            t0 = time.perf_counter()
+            tmp = path.with_suffix(".partial")  # an interrupted run leaves no half file
+            save_file({"kv": engine.compute_prefix_kv(p[:-1])}, str(tmp))
+            tmp.rename(path)
+            seconds += time.perf_counter() - t0
+        files.append(path)
+    return files, seconds
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
@@ -56,6 +89,12 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     sep = "|" + "|".join("---" for _ in columns) + "|"
     body = ["| " + " | ".join(fmt(r.get(k)) for k, _ in columns) + " |" for r in rows]
     return "\n".join([head, sep, *body])
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of positions where two sets of generated token lists agree."""
+    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=False)]
+    return sum(x == y for x, y in pairs) / max(len(pairs), 1)
 
 
 def write_json(path: str | None, payload: dict) -> None:

@@ -13,7 +13,14 @@ import time
 
 import torch
 
-from oasiskv.bench.common import markdown_table, parse_list, unique_prompts, write_json
+from oasiskv.bench.common import (
+    agreement,
+    markdown_table,
+    parse_list,
+    unique_prompts,
+    write_json,
+)
+from oasiskv.bench.peers import load_hf
 from oasiskv.cli import engine_kwargs
 from oasiskv.llm import LLM
 from oasiskv.sampling_params import SamplingParams
@@ -64,26 +71,12 @@ def hf_decode(model, prompts: list[list[int]], output_len: int) -> dict:
             "tokens": out[:, inputs.shape[1]:].tolist()}
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=False)]
-    return sum(x == y for x, y in pairs) / max(len(pairs), 1)
-
-
 def run_decode_bench(args: argparse.Namespace) -> list[dict]:
     contexts, batches = parse_list(args.context), parse_list(args.batch)
     kwargs = engine_kwargs(args)
     kwargs.setdefault("max_num_seqs", max(batches))
     llm = LLM(**kwargs)
-    hf = None
-    if not args.no_hf:
-        from transformers import AutoModelForCausalLM
-
-        from oasiskv.models.registry import resolve_model
-
-        path = resolve_model(llm.engine.config.model)
-        load = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-        hf = AutoModelForCausalLM.from_pretrained(
-            path.parent if load else path, dtype=llm.engine.config.torch_dtype, **load).eval()
+    hf = None if args.no_hf else load_hf(llm.engine.config.model, llm.engine.config.torch_dtype)
     # Warm both engines up (allocator, lazy init) so the first measured row is not penalised.
     warm = [list(range(100, 164))]
     ours_decode(llm, warm, 4)
@@ -103,7 +96,7 @@ def run_decode_bench(args: argparse.Namespace) -> list[dict]:
                 ref = hf_decode(hf, group, args.output_len)
                 row.update(hf_tok_s=ref["tok_s"], hf_tpot_ms=ref["tpot_ms"],
                            hf_prefill_s=ref["prefill_s"], ratio=ours["tok_s"] / ref["tok_s"],
-                           greedy_agreement=_agreement(ours["tokens"], ref["tokens"]))
+                           greedy_agreement=agreement(ours["tokens"], ref["tokens"]))
             rows.append(row)
             print(markdown_table([row], _COLUMNS), flush=True)
     print(f"\n## decode throughput, {llm.engine.config.model}, {llm.engine.config.dtype}, "

@@ -22,17 +22,19 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
+from safetensors.torch import load_file
 
 from oasiskv.bench.common import (
+    agreement,
     markdown_table,
     parse_list,
+    prefix_kv_files,
     pyplot,
     save_figure,
     unique_prompts,
     write_json,
 )
+from oasiskv.bench.peers import hf_from_prefix, load_hf, parse_peers
 from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.sampling_params import SamplingParams
@@ -70,11 +72,14 @@ def run_mode(kwargs: dict, prompts: list[list[int]], kv_files: list[Path],
            "running": sum(e["decode_tokens"] for e in decode_steps) / max(len(decode_steps), 1),
            "step_ms": 1e3 * sum(e["time_s"] for e in decode_steps) / max(len(decode_steps), 1),
            "preemptions": stats["preemptions"], "failed": stats["requests_failed"],
-           "kv_peak_bytes": stats["kv_peak_bytes"]}
+           "kv_peak_bytes": stats["kv_peak_bytes"],
+           "tokens": [s.output_token_ids for s in seqs]}
     if engine.sparse is not None:
         c = engine.sparse.counters
         out.update(bytes_per_step=(c.h2d_bytes + c.d2h_bytes) / max(len(decode_steps), 1),
-                   hit_rate=c.hits / max(c.predicted, 1), fetch_cap=engine.sparse.fetch_cap)
+                   hit_rate=c.hits / max(c.predicted, 1),
+                   kept=(c.hits + c.admitted) / max(c.predicted, 1),
+                   fetch_cap=engine.sparse.fetch_cap)
     engine.close()
     return out
 
@@ -87,23 +92,30 @@ def step_bytes(mode: str, running: float, context: int, kv_per_token: int, weigh
 
 
 COLUMNS = [("context", "context"), ("concurrency", "conc"), ("mode", "mode"),
-           ("tps", "TPS"), ("tps_ratio", "TPS sparse/dense"), ("tpot_ms", "TPOT ms"),
+           ("tps", "TPS"), ("tps_ratio", "TPS sparse/dense"), ("vs_hf", "sparse/HF"),
+           ("tpot_ms", "TPOT ms"),
            ("ttft_s", "TTFT s"), ("running", "running"), ("preemptions", "preempt"),
            ("step_ms", "step ms"), ("roofline_ms", "roofline ms"),
            ("bytes_per_step", "fetch B/step"), ("hit_rate", "hit rate")]
+ABLATION = [("context", "context"), ("concurrency", "conc"), ("f_hbm", "f_hbm"),
+            ("fetch_cap", "cap/head"), ("bytes_per_step", "fetch B/step"), ("tps", "TPS"),
+            ("hit_rate", "hit rate"), ("kept", "predicted kept")]
+
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
     plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for (context, mode), style in zip(sorted({(r["context"], r["mode"]) for r in rows}),
-                                      ["-o", "--o", "-s", "--s", "-^", "--^"], strict=False):
-        pts = sorted((r["concurrency"], r) for r in rows
-                     if r["context"] == context and r["mode"] == mode)
+    series = sorted({(r["context"], r["mode"], r.get("f_hbm") or "") for r in rows})
+    for (context, mode, f_hbm), style in zip(series, ["-o", "--o", ":o", "-s", "--s", ":s",
+                                                      "-^", "--^", ":^"] * 3, strict=False):
+        pts = sorted((r["concurrency"], r) for r in rows if r["context"] == context
+                     and r["mode"] == mode and (r.get("f_hbm") or "") == f_hbm)
         xs = [c for c, _ in pts]
-        a.plot(xs, [r["tps"] for _, r in pts], style, label=f"{mode} {context}")
-        b.plot(xs, [r["running"] for _, r in pts], style, label=f"{mode} {context}")
+        label = f"{mode}{f' f_hbm={f_hbm}' if f_hbm else ''} {context}"
+        a.plot(xs, [r["tps"] for _, r in pts], style, label=label)
+        b.plot(xs, [r["running"] for _, r in pts], style, label=label)
     for ax, label in ((a, "output tokens / s"), (b, "mean running batch")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency (requests arriving at once)")
@@ -117,45 +129,55 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     t_start = time.perf_counter()
     contexts, levels = parse_list(args.context), parse_list(args.concurrency)
-    modes = parse_list(args.kv_mode, str)
+    modes, f_hbms = parse_list(args.kv_mode, str), parse_list(args.f_hbm, str)
+    peers = parse_peers(args.peer)
     base = {"model": args.model, "dtype": args.dtype, "device_kv_budget": args.device_kv_budget,
             "max_num_seqs": max(levels)}
     if args.num_threads:
         base["num_threads"] = args.num_threads
-    sparse_kw = {"kv_mode": "sparse", "top_k": args.top_k, "f_hbm": args.f_hbm,
-                 "predictor": args.predictor, "host_kv_budget": args.host_kv_budget}
+    runs = [("dense", {"kv_mode": "dense"})] if "dense" in modes else []
+    runs += [("sparse", {"kv_mode": "sparse", "top_k": args.top_k, "f_hbm": f,
+                         "predictor": args.predictor, "host_kv_budget": args.host_kv_budget})
+             for f in (f_hbms if "sparse" in modes else [])]
+    for _, kw in runs:  # bad settings fail now, not after the prefill
+        EngineConfig.from_kwargs(**base, **kw)
     prefill = LLMEngine(EngineConfig.from_kwargs(model=args.model, dtype=args.dtype,
                                                  num_threads=args.num_threads))
     mc = prefill.model_config
     kv_per_token = mc.kv_bytes_per_token(prefill.config.torch_dtype)
     weights = sum(p.numel() * p.element_size() for p in prefill.model.parameters())
+    slab_tokens = (args.top_k + 1) * prefill.config.cache.block_size
+    hf = load_hf(args.model, prefill.config.torch_dtype) if "hf" in peers else None
     bandwidth = read_bandwidth()
     rows, prefill_s = [], {}
     with tempfile.TemporaryDirectory(prefix="oasiskv-bench-") as tmp:
         for context in contexts:
             prompts, source = unique_prompts(prefill.tokenizer, max(levels), context)
-            files = []
-            t0 = time.perf_counter()
-            for i, p in enumerate(tqdm(prompts, desc=f"prefill {context}", unit="prompt")):
-                files.append(Path(tmp) / f"{context}_{i}.safetensors")
-                save_file({"kv": prefill.compute_prefix_kv(p[:-1])}, str(files[-1]))
-            prefill_s[context] = time.perf_counter() - t0
+            files, prefill_s[context] = prefix_kv_files(
+                prefill, prompts, Path(args.kv_cache_dir or tmp), f"prefill {context}")
             for c in levels:
-                by_mode = {}
-                for mode in modes:  # alternate on the same prompts
-                    kw = {**base, **(sparse_kw if mode == "sparse" else {"kv_mode": "dense"})}
-                    r = run_mode(kw, prompts[:c], files[:c], args.output_len)
-                    r.update(context=context, concurrency=c, mode=mode, text=source)
-                    r["roofline_ms"] = 1e3 * step_bytes(
-                        mode, r["running"], context, kv_per_token, weights,
-                        (args.top_k + 1) * prefill.config.cache.block_size) / bandwidth
-                    by_mode[mode] = r
-                    rows.append(r)
-                    print(f"{context} x{c} {mode}: {r['tps']:.1f} tok/s, running "
+                level = []
+                for mode, kw in runs:  # alternate on the same prompts
+                    r = run_mode({**base, **kw}, prompts[:c], files[:c], args.output_len)
+                    r.update(mode=mode, f_hbm=kw.get("f_hbm"))
+                    level.append(r)
+                if hf is not None:
+                    level.append(hf_from_prefix(hf, prompts[:c], files[:c], args.output_len)
+                                 | {"mode": "hf"})
+                by_mode = {r["mode"]: r for r in level}  # sparse: the first f_hbm
+                for r in level:
+                    r.update(context=context, concurrency=c, text=source)
+                    r["roofline_ms"] = 1e3 * step_bytes(r["mode"], r["running"], context,
+                                                        kv_per_token, weights,
+                                                        slab_tokens) / bandwidth
+                    if "dense" in by_mode and r["mode"] != "dense":
+                        r["tps_ratio"] = r["tps"] / by_mode["dense"]["tps"]
+                        r["agreement"] = agreement(r["tokens"], by_mode["dense"]["tokens"])
+                    if "hf" in by_mode and r["mode"] == "sparse":
+                        r["vs_hf"] = r["tps"] / by_mode["hf"]["tps"]
+                    print(f"{context} x{c} {r['mode']}: {r['tps']:.1f} tok/s, running "
                           f"{r['running']:.1f}", flush=True)
-                if {"dense", "sparse"} <= set(by_mode):
-                    sparse, dense = by_mode["sparse"], by_mode["dense"]
-                    sparse["tps_ratio"] = sparse["tps"] / dense["tps"]
+                rows += [{k: v for k, v in r.items() if k != "tokens"} for r in level]
     elapsed = time.perf_counter() - t_start
     print(f"\n## throughput, {args.model}: device KV budget {args.device_kv_budget}, sparse "
           f"K={args.top_k} f_hbm={args.f_hbm} {args.predictor}, {args.output_len} greedy tokens "
@@ -163,13 +185,18 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
           f"{platform.processor() or platform.machine()}, read bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s\n")
     print(markdown_table(rows, COLUMNS))
-    print(f"\nprefill (once per prompt, shared by both modes): "
+    if len(f_hbms) > 1:
+        print("\n### f_hbm ablation (sparse rows)\n")
+        print(markdown_table([r for r in rows if r["mode"] == "sparse"], ABLATION))
+    print(f"\nprefill (once per prompt, shared by every mode; 0 s when cached): "
           f"{', '.join(f'{k}: {v:.0f} s' for k, v in prefill_s.items())}. roofline = (weights "
           f"{weights / 2**20:.0f} MiB + resident KV of the running batch) / read bandwidth. "
-          f"{elapsed:.0f} s.")
+          f"predicted kept = share of the predicted top-K blocks resident after selection "
+          f"(what the fetch cap leaves out). hf = transformers generate from the same prompt "
+          f"K/V, all requests in one batch (no device budget). {elapsed:.0f} s.")
     write_json(args.json, {"bench": "throughput", "model": args.model,
                            "device_kv_budget": args.device_kv_budget, "top_k": args.top_k,
-                           "f_hbm": args.f_hbm, "output_len": args.output_len,
+                           "f_hbm": f_hbms, "output_len": args.output_len, "peers": peers,
                            "bandwidth": bandwidth, "prefill_s": prefill_s,
                            "threads": torch.get_num_threads(), "time_s": elapsed, "rows": rows})
     if args.plot:

@@ -48,24 +48,33 @@ class Setting:
     kv_mode: str
     predictor: str | None = None
     top_k: int | None = None
+    sink_blocks: int = 0
+    recent_blocks: int = 0
 
     @property
     def name(self) -> str:
-        return "dense" if self.kv_mode == "dense" else f"sparse K={self.top_k} {self.predictor}"
+        if self.kv_mode == "dense":
+            return "dense"
+        pins = "".join(f" +{n} {what}" for n, what in ((self.sink_blocks, "sink"),
+                                                       (self.recent_blocks, "recent")) if n)
+        return f"sparse K={self.top_k} {self.predictor}{pins}"
 
     def engine_kwargs(self) -> dict:
         if self.kv_mode == "dense":
             return {"kv_mode": "dense"}
-        return {"kv_mode": "sparse", "predictor": self.predictor, "top_k": self.top_k}
+        return {"kv_mode": "sparse", "predictor": self.predictor, "top_k": self.top_k,
+                "sink_blocks": self.sink_blocks, "recent_blocks": self.recent_blocks}
 
 
-def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int]) -> list[Setting]:
+def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
+                  sinks: tuple[int, ...] = (0,), recents: tuple[int, ...] = (0,)) -> list[Setting]:
     bad = [m for m in kv_modes if m not in ("dense", "sparse")]
     if bad or not kv_modes:
         raise ValueError(f"--kv-mode takes dense and/or sparse, got {kv_modes}")
     out = [Setting("dense")] if "dense" in kv_modes else []
     if "sparse" in kv_modes:
-        out += [Setting("sparse", p, k) for k in top_ks for p in predictors]
+        out += [Setting("sparse", p, k, s, r) for k in top_ks for s in sinks for r in recents
+                for p in predictors]
     return out
 
 
@@ -205,7 +214,8 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
     tasks = list(TASKS) if args.task == "all" else [args.task]
     contexts = parse_list(args.context)
     settings = settings_from(parse_list(args.kv_mode, str), parse_list(args.predictor, str),
-                             parse_list(args.top_k))
+                             parse_list(args.top_k), parse_list(args.sink_blocks),
+                             parse_list(args.recent_blocks))
     if args.samples <= 0:
         raise ValueError(f"--samples must be positive, got {args.samples}")
     base = {"model": args.model, "dtype": args.dtype, "drafter": args.drafter}

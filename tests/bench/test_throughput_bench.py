@@ -1,5 +1,7 @@
 """`oasiskv bench throughput` on a tiny model: under a budget for about two dense requests,
-dense runs fewer at a time than sparse, nothing fails, both produce every token."""
+dense runs fewer at a time than sparse, nothing fails, every mode produces every token; the
+HF peer decodes from the same prompt K/V and agrees with dense; several f_hbm values give an
+ablation whose fetch traffic grows with the cap."""
 
 import json
 
@@ -14,13 +16,38 @@ def test_throughput_bench_dense_vs_sparse(tmp_path, capsys):
     # 256 B per token: a dense request (308 tokens) needs 20 blocks of 4 KiB, 2 fit in 42
     assert main(["bench", "throughput", "--model", str(model), "--context", "300",
                  "--concurrency", "1,6", "--output-len", "8", "--device-kv-budget", "170KiB",
-                 "--top-k", "2", "--json", str(out), "--plot", str(png)]) == 0
-    assert "TPS sparse/dense" in capsys.readouterr().out
-    rows = {(r["concurrency"], r["mode"]): r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {(1, "dense"), (1, "sparse"), (6, "dense"), (6, "sparse")}
+                 "--top-k", "2", "--f-hbm", "0.5,1.0", "--peer", "hf", "--json", str(out),
+                 "--plot", str(png)]) == 0
+    printed = capsys.readouterr().out
+    assert "TPS sparse/dense" in printed and "f_hbm ablation" in printed
+    all_rows = json.loads(out.read_text())["rows"]
+    rows = {(r["concurrency"], r["mode"], r.get("f_hbm")): r for r in all_rows}
+    assert set(rows) == {(c, m, f) for c in (1, 6) for m, f in
+                         (("dense", None), ("sparse", "0.5"), ("sparse", "1.0"), ("hf", None))}
+    for c in (1, 6):
+        hf = rows[(c, "hf", None)]
+        assert hf["agreement"] == 1.0 and hf["running"] == c  # same tokens as dense
+        capped, free = rows[(c, "sparse", "0.5")], rows[(c, "sparse", "1.0")]
+        assert capped["fetch_cap"] == 1 and free["fetch_cap"] == 2
+        assert capped["bytes_per_step"] <= free["bytes_per_step"]
+        assert free["kept"] == 1.0 and "vs_hf" in free
+    rows = {(c, m): r for (c, m, f), r in rows.items() if f in (None, "0.5")}
     assert all(r["failed"] == 0 for r in rows.values())
     assert rows[(6, "sparse")]["running"] > 2 * rows[(6, "dense")]["running"]
     assert rows[(6, "dense")]["running"] <= 2.0
     assert rows[(6, "dense")]["ttft_s"] > rows[(1, "dense")]["ttft_s"]  # later ones waited
     assert "tps_ratio" in rows[(6, "sparse")] and rows[(1, "dense")]["roofline_ms"] > 0
     assert png.stat().st_size > 0
+
+
+def test_prompt_kv_is_cached_across_runs(tmp_path):
+    model = build_model_dir(tmp_path / "m", num_hidden_layers=2, max_position_embeddings=1024)
+    runs = []
+    for c in ("2", "1"):  # the second run's prompt is the first run's first: reused
+        out = tmp_path / f"{c}.json"
+        assert main(["bench", "throughput", "--model", str(model), "--context", "100",
+                     "--concurrency", c, "--output-len", "4", "--kv-mode", "dense",
+                     "--kv-cache-dir", str(tmp_path / "kv"), "--json", str(out)]) == 0
+        runs.append(json.loads(out.read_text()))
+    assert runs[0]["prefill_s"]["100"] > 0 and runs[1]["prefill_s"]["100"] == 0
+    assert len(list((tmp_path / "kv").glob("*.safetensors"))) == 2
