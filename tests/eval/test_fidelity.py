@@ -83,3 +83,12 @@ def test_judge_scores_hand_made_answers(tokenizer):
 def test_bad_settings_are_clear_errors():
     with pytest.raises(ValueError, match="dense and/or sparse"):
         settings_from(["paged"], ["exact"], [32])
+
+
+def test_pinned_block_settings_are_their_own_columns():
+    settings = settings_from(["dense", "sparse"], ["exact"], [32], sinks=[0, 4], recents=[0, 2])
+    assert [s.name for s in settings] == [
+        "dense", "sparse K=32 exact", "sparse K=32 exact +2 recent", "sparse K=32 exact +4 sink",
+        "sparse K=32 exact +4 sink +2 recent"]
+    assert settings[-1].engine_kwargs() == {"kv_mode": "sparse", "predictor": "exact",
+                                            "top_k": 32, "sink_blocks": 4, "recent_blocks": 2}
