@@ -22,4 +22,6 @@ then
     echo "note: install the Austen novels with: sudo apt-get install r-cran-janeaustenr" >&2
   fi
 fi
+# Mooncake (the remote tier's multi-machine backend; its tests start a real master)
+bash scripts/setup_mooncake.sh
 python -c "import oasiskv, torch; print('oasiskv', oasiskv.__version__, 'torch', torch.__version__)"
