@@ -87,12 +87,12 @@ def run_mode(kwargs: dict, prompts: list[list[int]], kv_files: list[Path],
 def step_bytes(mode: str, running: float, context: int, kv_per_token: int, weights: int,
                slab_tokens: int) -> float:
     """What one decode step must read: the weights once + the running batch's resident KV."""
-    per_request = context if mode == "dense" else slab_tokens
+    per_request = slab_tokens if mode == "sparse" else context
     return weights + running * per_request * kv_per_token
 
 
 COLUMNS = [("context", "context"), ("concurrency", "conc"), ("mode", "mode"),
-           ("tps", "TPS"), ("tps_ratio", "TPS sparse/dense"), ("vs_hf", "sparse/HF"),
+           ("tps", "TPS"), ("tps_ratio", "TPS / dense"), ("vs_hf", "sparse/HF"),
            ("tpot_ms", "TPOT ms"),
            ("ttft_s", "TTFT s"), ("running", "running"), ("preemptions", "preempt"),
            ("step_ms", "step ms"), ("roofline_ms", "roofline ms"),

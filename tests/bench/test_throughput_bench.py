@@ -19,7 +19,7 @@ def test_throughput_bench_dense_vs_sparse(tmp_path, capsys):
                  "--top-k", "2", "--f-hbm", "0.5,1.0", "--peer", "hf", "--json", str(out),
                  "--plot", str(png)]) == 0
     printed = capsys.readouterr().out
-    assert "TPS sparse/dense" in printed and "f_hbm ablation" in printed
+    assert "TPS / dense" in printed and "f_hbm ablation" in printed
     all_rows = json.loads(out.read_text())["rows"]
     rows = {(r["concurrency"], r["mode"], r.get("f_hbm")): r for r in all_rows}
     assert set(rows) == {(c, m, f) for c in (1, 6) for m, f in
