@@ -91,7 +91,7 @@ def step_bytes(mode: str, running: float, context: int, kv_per_token: int, weigh
     return weights + running * per_request * kv_per_token
 
 
-COLUMNS = [("context", "context"), ("concurrency", "conc"), ("mode", "mode"),
+COLUMNS = [("context", "context"), ("concurrency", "conc"), ("mode", "mode"), ("f_hbm", "f_hbm"),
            ("tps", "TPS"), ("tps_ratio", "TPS / dense"), ("vs_hf", "sparse/HF"),
            ("tpot_ms", "TPOT ms"),
            ("ttft_s", "TTFT s"), ("running", "running"), ("preemptions", "preempt"),
