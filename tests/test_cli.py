@@ -54,6 +54,8 @@ TYPED = [
     ("draft_model", "some/dir", "some/dir"),
     ("speculative", "accept", "accept"),
     ("score_alpha", "0.5", 0.5),
+    ("sink_blocks", "2", 2),
+    ("recent_blocks", "1", 1),
     ("max_num_seqs", "5", 5),
     ("max_num_batched_tokens", "256", 256),
     ("max_model_len", "1024", 1024),
