@@ -20,7 +20,7 @@ from oasiskv.bench.common import (
     unique_prompts,
     write_json,
 )
-from oasiskv.bench.peers import load_hf
+from oasiskv.bench.peers import load_hf, timed_generate
 from oasiskv.cli import engine_kwargs
 from oasiskv.llm import LLM
 from oasiskv.sampling_params import SamplingParams
@@ -47,25 +47,11 @@ def ours_decode(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
 
 
 def hf_decode(model, prompts: list[list[int]], output_len: int) -> dict:
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    class StepClock(StoppingCriteria):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
-            self.times.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-    clock = StepClock()
     inputs = torch.tensor(prompts)
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
-                             max_new_tokens=output_len, min_new_tokens=output_len,
-                             stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0)
-    first, last = clock.times[0], clock.times[-1]
-    steps = len(clock.times) - 1
+    out, times = timed_generate(model, inputs, output_len)
+    first, last = times[0], times[-1]
+    steps = len(times) - 1
     return {"prefill_s": first - t0, "decode_s": last - first, "decode_steps": steps,
             "tok_s": len(prompts) * steps / (last - first), "tpot_ms": (last - first) / steps * 1e3,
             "tokens": out[:, inputs.shape[1]:].tolist()}

@@ -52,33 +52,42 @@ def prefix_cache(hf, kv_files: list[Path]):
     return cache
 
 
-def hf_from_prefix(hf, prompts: list[list[int]], kv_files: list[Path], output_len: int) -> dict:
-    """Greedy `generate` of `output_len` tokens for all prompts at once (equal lengths: no
-    padding), from their computed prompt K/V. Same figures as our engine's rows."""
+def timed_generate(hf, inputs: torch.Tensor, output_len: int,
+                   **kwargs) -> tuple[torch.Tensor, list[float]]:
+    """Greedy `generate` of exactly output_len tokens per row ([R, T] inputs, no padding);
+    returns the output ids and the time each token was produced (a StoppingCriteria clock)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class StepClock(StoppingCriteria):
         def __init__(self) -> None:
             self.times: list[float] = []
 
-        def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        def __call__(self, input_ids, scores, **kw) -> torch.Tensor:
             self.times.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
+    clock = StepClock()
+    with torch.inference_mode():
+        out = hf.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
+                          max_new_tokens=output_len, min_new_tokens=output_len,
+                          stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0,
+                          **kwargs)
+    return out, clock.times
+
+
+def hf_from_prefix(hf, prompts: list[list[int]], kv_files: list[Path], output_len: int) -> dict:
+    """Greedy `generate` of `output_len` tokens for all prompts at once (equal lengths: no
+    padding), from their computed prompt K/V. Same figures as our engine's rows."""
     if len({len(p) for p in prompts}) != 1:
         raise ValueError("hf peer: prompts must have equal lengths (no padding)")
     cache = prefix_cache(hf, kv_files)
     inputs = torch.tensor(prompts)
-    clock = StepClock()
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = hf.generate(inputs, attention_mask=torch.ones_like(inputs), cache=cache,
-                          do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len,
-                          stopping_criteria=StoppingCriteriaList([clock]), pad_token_id=0)
+    out, times = timed_generate(hf, inputs, output_len, cache=cache)
     wall = time.perf_counter() - t0
-    steps = len(clock.times) - 1
-    decode_s = clock.times[-1] - clock.times[0]
+    steps = len(times) - 1
+    decode_s = times[-1] - times[0]
     return {"tps": len(prompts) * output_len / wall, "wall_s": wall,
-            "tpot_ms": 1e3 * decode_s / max(steps, 1), "ttft_s": clock.times[0] - t0,
+            "tpot_ms": 1e3 * decode_s / max(steps, 1), "ttft_s": times[0] - t0,
             "running": float(len(prompts)), "step_ms": 1e3 * decode_s / max(steps, 1),
             "preemptions": 0, "failed": 0, "tokens": out[:, inputs.shape[1]:].tolist()}
