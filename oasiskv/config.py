@@ -107,6 +107,7 @@ KV_MODES = ("dense", "sparse")
 PREDICTORS = ("lookahead", "previous", "exact")
 PREFETCH = ("async", "sync")
 DRAFTERS = ("self", "ngram", "resync", "model")
+_MOONCAKE = re.compile(r"mooncake://[^\s:/]+:[0-9]{1,5}")
 
 
 @dataclass
@@ -140,6 +141,16 @@ class CacheConfig:
         "sync", "sparse: async runs each layer's next-step selection and fetch in the "
         "background (worker threads on CPU, CUDA streams on GPU); sync runs them inline "
         "(the default: on a 2-core CPU the workers compete with the model for the cores)")
+    remote_store: str = _field(
+        "none", "sparse: the remote tier under the host tier. none: the host holds every "
+        "block; inprocess: an in-process store; mooncake://HOST:PORT: a Mooncake Store whose "
+        "master listens there. With a store, a request's complete prompt blocks go to it when "
+        "its prefill is done and the host keeps a bounded cache of them (f_host)")
+    f_host: float = _field(
+        1.0, "sparse with a remote_store: decode-host residency ratio of prompt blocks; a "
+        "request keeps ceil(f_host*P) of its P complete prompt blocks on the host (at least "
+        "min(P, top_k * KV heads), so that its working sets fit) plus all its generated "
+        "blocks, and fetches evicted ones again from the store")
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -175,6 +186,21 @@ class CacheConfig:
                              "for selected blocks")
         if self.score_alpha < 0:
             raise ValueError(f"score_alpha must be >= 0, got {self.score_alpha}")
+        self._check_remote()
+
+    def _check_remote(self) -> None:
+        spec = self.remote_store
+        if spec not in ("none", "inprocess") and not _MOONCAKE.fullmatch(spec):
+            raise ValueError(f"remote_store must be none, inprocess or mooncake://HOST:PORT, "
+                             f"got {spec!r}")
+        if spec != "none" and self.kv_mode != "sparse":
+            raise ValueError(f"remote_store={spec!r} needs kv_mode=sparse (the remote tier "
+                             "sits under the sparse mode's host tier)")
+        if not 0 < self.f_host <= 1:
+            raise ValueError(f"f_host must be in (0, 1], got {self.f_host}")
+        if self.f_host < 1 and spec == "none":
+            raise ValueError(f"f_host={self.f_host} < 1 needs a remote store to fetch evicted "
+                             "blocks from: set remote_store (inprocess or mooncake://HOST:PORT)")
 
     @property
     def fetch_cap(self) -> int:

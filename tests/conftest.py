@@ -1,13 +1,22 @@
-"""Tiny random-weight models in HF layout, built by the tests themselves (no downloads)."""
+"""Tiny random-weight models in HF layout, built by the tests themselves (no downloads), and a
+real Mooncake master for the remote-tier tests."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from oasiskv.disagg.mooncake import (
+    INSTALL_HINT,
+    mooncake_available,
+    private_network,
+    start_master,
+)
 
 CORPUS = [
     "It is a truth universally acknowledged, that a single man in possession of a good fortune,"
@@ -105,3 +114,31 @@ def tiny_eagle(tiny_llama, tmp_path_factory) -> tuple[Path, dict]:
     result = run(engine, spec, aux_layers=[0, 1],
                  chunks=(markov_corpus(96, 1), markov_corpus(16, 2)))
     return out, result
+
+
+needs_mooncake = pytest.mark.skipif(
+    not mooncake_available(), reason=f"Mooncake wheel not installed: run {INSTALL_HINT}")
+
+
+@pytest.fixture(scope="session")
+def mooncake_net():
+    """A private network namespace for the session's Mooncake processes (yields whether the
+    kernel granted one; if not, everything stays bound to 127.0.0.1 on the shared network).
+    One per session: a Mooncake client keeps process-wide state that a second namespace
+    breaks."""
+    if not mooncake_available():
+        pytest.skip(f"Mooncake wheel not installed: run {INSTALL_HINT}")
+    with private_network() as private, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        if not private:
+            warnings.warn("no private network namespace here (unshare refused); Mooncake "
+                          "runs loopback-bound and its data ports listen on all interfaces",
+                          stacklevel=1)
+        yield private
+
+
+@pytest.fixture(scope="session")
+def master(mooncake_net):
+    """A real mooncake_master on loopback (short TTLs, so dead holders expire fast)."""
+    with start_master(client_ttl_s=2, lease_ttl_ms=500) as handle:
+        yield handle

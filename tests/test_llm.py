@@ -50,6 +50,8 @@ FIELD_VALUES = {
     "score_alpha": (0.5, lambda e, _: e.config.cache.score_alpha == 0.5),
     "sink_blocks": (2, lambda e, _: e.config.cache.sink_blocks == 2),
     "recent_blocks": (1, lambda e, _: e.config.cache.recent_blocks == 1),
+    "remote_store": ("none", lambda e, _: e.config.cache.remote_store == "none"),
+    "f_host": (1.0, lambda e, _: e.config.cache.f_host == 1.0),
     "prefetch": ("async", lambda e, _: e.config.cache.prefetch == "async"),
 }
 

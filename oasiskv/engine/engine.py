@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 import weakref
 from collections import deque
@@ -12,10 +13,12 @@ from collections.abc import Callable
 import torch
 
 from oasiskv.config import CacheConfig, EngineConfig, ModelConfig
+from oasiskv.disagg.remote_store import RemoteStoreError
 from oasiskv.engine.runner import ModelRunner, allocate_kv, is_decode
 from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import BlockPool, KVAllocator
+from oasiskv.kv.remote_tier import RemoteTier, open_store
 from oasiskv.kv.residency import SparseKV
 from oasiskv.layers.sampler import sample, verify_draft
 from oasiskv.models.llama import LlamaForCausalLM
@@ -66,6 +69,7 @@ class LLMEngine:
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
                          "requests_finished": 0, "requests_failed": 0, "step_failures": 0,
                          "drafts": 0, "drafts_right": 0, "spec_accepted": 0}
+        self.host_cache_peak = 0  # remote store: most host blocks a finished request held
         lookahead = config.cache.kv_mode == "sparse" and config.cache.predictor == "lookahead"
         self.speculative = config.spec.speculative == "accept"
         self.drafter = None
@@ -107,16 +111,32 @@ class LLMEngine:
             host_kv = allocate_kv(mc, host_blocks, block, dtype,
                                   pin=torch.cuda.is_available())
             self.host_pool = BlockPool(host_blocks, block)
-            self.kv = KVAllocator(self.pool, self.host_pool, slab_blocks=cache.top_k + 1)
-            summary = (mc.num_layers, host_blocks, mc.num_kv_heads, mc.head_dim)
+            remote = self._build_remote(cache, mc, dtype, host_kv)
+            # With a remote store summary ids outlive host blocks: enough ids for every
+            # request that host caches at f_host could hold (a budget >= f_host * history).
+            summary_ids = host_blocks if remote is None else math.ceil(host_blocks / cache.f_host)
+            self.kv = KVAllocator(self.pool, self.host_pool, slab_blocks=cache.top_k + 1,
+                                  summaries=None if remote is None else
+                                  BlockPool(summary_ids, block))
+            summary = (mc.num_layers, summary_ids, mc.num_kv_heads, mc.head_dim)
             executor = make_executor(cache.prefetch, self.device)
             weakref.finalize(self, executor.close)  # no worker outlives the engine
             self.sparse = SparseKV(cache, device_kv, host_kv,
                                    torch.empty(summary, dtype=dtype, device=self.device),
                                    torch.empty(summary, dtype=dtype, device=self.device),
-                                   PrefetchPipeline(executor))
+                                   PrefetchPipeline(executor), remote=remote)
             self.runner = ModelRunner(self.model, device_kv, block, host_kv, self.sparse)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
+
+    def _build_remote(self, cache: CacheConfig, mc: ModelConfig, dtype: torch.dtype,
+                      host_kv: torch.Tensor) -> RemoteTier | None:
+        store = open_store(cache.remote_store,
+                           (2, mc.num_kv_heads, cache.block_size, mc.head_dim), dtype)
+        if store is None:
+            return None
+        weakref.finalize(self, store.close)
+        return RemoteTier(store, host_kv, cache.block_size, cache.f_host,
+                          cache.top_k * mc.num_kv_heads)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -207,6 +227,8 @@ class LLMEngine:
         if self.sparse is not None:
             self.sparse.flush()
             self.sparse.pipeline.close()
+            if self.sparse.remote is not None:
+                self.sparse.remote.close()
 
     def trace(self) -> Tracer:
         """Starts recording a Chrome trace of the prefetch pipeline and the foreground layers
@@ -262,12 +284,44 @@ class LLMEngine:
         if self.sparse is not None:
             entry.update(vars(self.sparse.last_step))
         self.step_log.append(entry)
-        outputs = []
+        failed = self._fail_remote(batch)
         for seq, (token, accepted) in zip(seqs, tokens, strict=True):
-            self._advance(seq, token, accepted, drafts[id(seq)], done,
-                          draft_features.get(id(seq)))
-            outputs.append(self._output(seq))
-        return outputs
+            if not seq.is_finished:
+                self._advance(seq, token, accepted, drafts[id(seq)], done,
+                              draft_features.get(id(seq)))
+        self._hand_over(batch)
+        return [self._output(seq)
+                for seq in seqs + [f for f in failed if all(f is not s for s in seqs)]]
+
+    def _fail_remote(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Requests whose remote fetch failed (this step or, with async prefetch, before):
+        their working sets lack blocks, so they end with the store's error; others go on."""
+        failed = [seq for seq, _ in batch
+                  if seq.host_cache is not None and seq.host_cache.error and not seq.is_finished]
+        for seq in failed:
+            log.error("request %s failed: %s", seq.request_id, seq.host_cache.error)
+            self._finish(seq, "error", error=seq.host_cache.error)
+        return failed
+
+    def _hand_over(self, batch: ScheduledBatch) -> None:
+        """Remote store: a request whose prefill this step completed puts its complete prompt
+        blocks to the store and keeps a bounded host cache (after the step, so a failed step
+        is redone on the whole host history). A failing put fails only that request."""
+        if self.sparse is None or self.sparse.remote is None:
+            return
+        for seq, _ in batch:
+            if (seq.is_finished or seq.host_cache is not None or seq.in_prefill
+                    or seq.num_computed_tokens < seq.num_prompt_tokens):
+                continue
+            try:
+                self.sparse.hand_over(seq)
+            except RemoteStoreError as e:
+                log.error("request %s failed: %r", seq.request_id, e)
+                self.sparse.remote.remove(seq)  # whatever part of the prompt got there
+                self._finish(seq, "error", error=f"remote tier: storing the prompt of request "
+                             f"{seq.request_id} failed: {e}")
+                continue
+            self.kv.shrink_host(seq, seq.host_cache.owned)
 
     def _advance(self, seq: Sequence, token: int | Exception, accepted: bool,
                  draft_row: torch.Tensor | None, now: float,
@@ -377,6 +431,13 @@ class LLMEngine:
         seq.finish_reason, seq.error = reason, error
         seq.metrics.finish_time = time.perf_counter()
         seq.metrics.num_generated_tokens = seq.num_output_tokens - drop_last
+        if seq.working_set is not None:
+            # its prefetch and fill jobs for the next step may still write its host blocks,
+            # which the next request may get: they finish first
+            self.sparse.flush()
+        if seq.host_cache is not None:  # its blocks leave the store with it
+            self.host_cache_peak = max(self.host_cache_peak, seq.host_cache.peak)
+            self.sparse.remote.remove(seq)
         self.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
         if self.drafter is not None:
@@ -417,6 +478,18 @@ class LLMEngine:
 
     # ---- counters -------------------------------------------------------------------------
 
+    def _host_cache_stats(self) -> dict:
+        """Remote store traffic and, per running request with a host cache, its blocks on the
+        decode host (fullest layer, generated blocks included), peak and budget."""
+        c = self.sparse.counters
+        caches = {s.request_id: s.host_cache for s in self.scheduler.running if s.host_cache}
+        peak = max([self.host_cache_peak] + [h.peak for h in caches.values()])
+        return {"remote_bytes": c.remote_bytes, "remote_put_bytes": c.remote_put_bytes,
+                "remote_blocks": c.remote_blocks, "host_evictions": c.host_evictions,
+                "host_cache_peak_blocks": peak,
+                "host_cache": {rid: {"blocks": h.resident(), "peak": h.peak,
+                                     "budget": h.budget} for rid, h in caches.items()}}
+
     def stats(self) -> dict:
         used = self.pool.num_used
         sparse = {}
@@ -430,6 +503,8 @@ class LLMEngine:
                           host_peak_bytes=self.host_pool.peak_used * self.bytes_per_block,
                           slab_bytes=(self.config.cache.top_k + 1) * self.bytes_per_block,
                           fetch_cap=self.sparse.fetch_cap)
+            if self.sparse.remote is not None:
+                sparse.update(self._host_cache_stats())
         return {**self.counters, **sparse,
                 "preemptions": self.scheduler.num_preemptions,
                 "running": len(self.scheduler.running),

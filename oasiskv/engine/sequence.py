@@ -63,7 +63,12 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     block_table: list[int] = field(default_factory=list)  # device blocks (sparse: the slab)
-    host_table: list[int] = field(default_factory=list)  # sparse: host blocks of the history
+    # sparse: host blocks of the history, logical block b in host_table[b]; with a remote
+    # store, once the prompt is handed over, the blocks the host cache owns (host_cache maps)
+    host_table: list[int] = field(default_factory=list)
+    # sparse with a remote store: summary id of each logical block (without one: host_table)
+    summary_table: list[int] = field(default_factory=list)
+    host_cache: object | None = None  # kv.host_cache.HostCache once the prompt is in the store
     working_set: object | None = None  # sparse: kv.residency.WorkingSet once decoding
     draft_tokens: list[int] = field(default_factory=list)  # guesses of the next token
     # K/V of the first n prompt tokens computed elsewhere, [L, K/V, Hkv, n, d]: the runner
@@ -77,6 +82,11 @@ class Sequence:
     suspect: bool = False  # a batch it was in failed; it runs alone until it succeeds
     generator: torch.Generator | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+
+    @property
+    def summary_ids(self) -> list[int]:
+        """sparse: where each logical block's summary lives (kmin/kmax rows)."""
+        return self.summary_table or self.host_table
 
     @property
     def num_tokens(self) -> int:

@@ -82,11 +82,16 @@ class KVAllocator:
     of its 2B rows, so B summaries per device block); in the host tier its whole possible
     history. Both are reserved at admission, so a running sparse request never needs more
     memory and is never preempted: recomputing it would lose its working-set history.
+
+    With a remote store (`summaries` given) summary ids are their own pool, since a request
+    whose prompt went to the store keeps only its host cache's blocks (`shrink_host`), while
+    the summaries of all its blocks stay.
     """
 
     def __init__(self, device: BlockPool, host: BlockPool | None = None,
-                 slab_blocks: int | None = None) -> None:
+                 slab_blocks: int | None = None, summaries: BlockPool | None = None) -> None:
         self.device, self.host, self.slab_blocks = device, host, slab_blocks
+        self.summaries = summaries
 
     @property
     def sparse(self) -> bool:
@@ -97,8 +102,15 @@ class KVAllocator:
         if not self.sparse:
             return self.device.blocks_for(num_tokens) - len(seq.block_table), 0
         tokens = max(num_tokens, seq.max_context)
-        return (self.device_blocks_for(tokens) - len(seq.block_table),
-                self.host.blocks_for(tokens) - len(seq.host_table))
+        host = 0 if seq.host_cache is not None else (
+            self.host.blocks_for(tokens) - len(seq.host_table))
+        return self.device_blocks_for(tokens) - len(seq.block_table), host
+
+    def _summary_need(self, seq: Sequence, num_tokens: int) -> int:
+        if self.summaries is None:
+            return 0
+        return self.summaries.blocks_for(max(num_tokens, seq.max_context)) - len(
+            seq.summary_table)
 
     def device_blocks_for(self, num_tokens: int) -> int:
         """sparse: slab + summaries of the blocks of `num_tokens` tokens."""
@@ -106,7 +118,9 @@ class KVAllocator:
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         dev, host = self.needs(seq, num_tokens)
-        return self.device.can_allocate(dev) and (host <= 0 or self.host.can_allocate(host))
+        summaries = self._summary_need(seq, num_tokens)
+        return (self.device.can_allocate(dev) and (host <= 0 or self.host.can_allocate(host))
+                and (summaries <= 0 or self.summaries.can_allocate(summaries)))
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         if not self.sparse:
@@ -114,13 +128,24 @@ class KVAllocator:
             return
         tokens = max(num_tokens, seq.max_context)
         self.device.grow(seq.block_table, self.device_blocks_for(tokens) * self.device.block_size)
-        self.host.grow(seq.host_table, tokens)
+        if seq.host_cache is None:
+            self.host.grow(seq.host_table, tokens)
+        if self.summaries is not None:
+            self.summaries.grow(seq.summary_table, tokens)
+
+    def shrink_host(self, seq: Sequence, owned: list[int]) -> None:
+        """The request's host cache took over: it keeps `owned` of its host blocks."""
+        keep = set(owned)
+        self.host.free([b for b in seq.host_table if b not in keep])
+        seq.host_table = list(owned)
 
     def free(self, seq: Sequence) -> None:
         self.device.free(seq.block_table)
         if self.sparse:
             self.host.free(seq.host_table)
-            seq.working_set = None
+            if self.summaries is not None:
+                self.summaries.free(seq.summary_table)
+            seq.working_set = seq.host_cache = None
 
     def fits_alone(self, num_tokens: int) -> str | None:
         """None when one request of `num_tokens` fits the empty tiers, else the reason."""
@@ -134,6 +159,7 @@ class KVAllocator:
             return (f"a sparse request of up to {num_tokens} tokens needs {need} device blocks "
                     f"(top_k + 1 for its working set, the rest for its block summaries), the "
                     f"device KV budget holds {self.device.num_blocks}")
+        # the whole history passes through the host during prefill, remote store or not
         need, have = self.host.blocks_for(num_tokens), self.host.num_blocks
         return None if need <= have else (
             f"request needs up to {num_tokens} tokens of KV, the host KV budget holds "

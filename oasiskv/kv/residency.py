@@ -3,7 +3,12 @@
 A sparse request holds one slab of K+1 device blocks. Slot s < K of KV head g holds the
 logical block head_map[s, g]; slot K is the active (filling) block, attended by every head.
 The host tier holds the request's complete history as whole blocks; the summary (kmin/kmax)
-of every complete block lives on the device and drives selection.
+of every complete block lives on the device and drives selection. Summaries are indexed by
+the request's summary ids (`seq.summary_ids`), host blocks by `seq.host_table`: the same ids
+on one node. With a remote store the prompt goes to the store after prefill and the host keeps
+a bounded cache of it (`kv/host_cache.py`): host blocks are then looked up per layer, and the
+pipeline's remote stage fetches admitted blocks that the host lacks; the summaries of every
+block stay.
 
 Prefetch (lookahead/previous): after layer l's attention of step t the next step's selection
 and fetch for layer l go to the prefetch pipeline as stages (predict, select, remote, local);
@@ -18,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +36,9 @@ from oasiskv.kv.summaries import summarize
 from oasiskv.prefetch.executor import InlineExecutor, PrefetchError
 from oasiskv.prefetch.pipeline import PrefetchPipeline
 from oasiskv.prefetch.stages import SelectJob
+
+if TYPE_CHECKING:
+    from oasiskv.kv.remote_tier import RemoteTier
 
 
 @dataclass
@@ -49,6 +58,10 @@ class SparseCounters:
     h2d_bytes: int = 0  # host -> device: local fetches and active-block loads
     d2h_bytes: int = 0  # device -> host: filled blocks
     host_write_bytes: int = 0  # prefill K/V written straight to the host tier
+    remote_bytes: int = 0  # remote store -> host cache: misses fetched during decode
+    remote_blocks: int = 0  # ... in blocks (one layer's block each)
+    remote_put_bytes: int = 0  # host -> remote store: complete prompt blocks after prefill
+    host_evictions: int = 0  # prompt blocks the host caches dropped (still in the store)
     stall_s: float = 0.0  # foreground time waiting for prefetch jobs
 
     def add(self, other: SparseCounters) -> None:
@@ -61,9 +74,10 @@ class StepDecode:
     seq: Sequence
     attn: SeqAttention | None  # None for a token committed after the step (accepted draft)
     pos: int  # position of the step's token
-    host_ids: torch.Tensor  # [n_full] host block of each complete logical block
+    summary_ids: torch.Tensor  # [n_full] summary id of each complete logical block (one node:
+    # also its host block)
     slab_tokens: torch.Tensor  # [K+1] first device token slot of each slot
-    host_start: int | None = None  # host_ids[0] when they are one run (summaries: a view)
+    summary_start: int | None = None  # summary_ids[0] when they are one run (a view)
 
 
 @dataclass
@@ -73,7 +87,7 @@ class SparseKV:
     cfg: CacheConfig
     device_kv: torch.Tensor  # [L, 2, Hkv, device_slots, d]
     host_kv: torch.Tensor  # [L, 2, Hkv, host_slots, d]
-    kmin: torch.Tensor  # [L, host_blocks, Hkv, d] summaries, indexed by host block
+    kmin: torch.Tensor  # [L, summary_ids, Hkv, d] summaries, indexed by summary id
     kmax: torch.Tensor
     pipeline: PrefetchPipeline = field(default_factory=lambda: PrefetchPipeline(
         InlineExecutor()))
@@ -84,6 +98,7 @@ class SparseKV:
     fetch_bandwidth: float = 0.0  # f_hbm=auto: bytes/s of a local fetch, measured at start
     forward_s: float = 0.0  # f_hbm=auto: moving estimate of a decode step's forward time
     frozen: bool = False  # benchmarks: no prefetch at all once seeded (working sets frozen)
+    remote: RemoteTier | None = None  # the remote store under bounded host caches, if any
     # stage name -> hook(layer, requests) run at the start of that stage (tests: delays, faults)
     stage_hooks: dict[str, Callable[[int, list[Sequence]], None]] = field(default_factory=dict)
     _decodes: list[StepDecode] = field(default_factory=list)
@@ -176,7 +191,7 @@ class SparseKV:
 
     def _decode(self, seq: Sequence, attn: SeqAttention | None, pos: int) -> StepDecode:
         K, B = self.cfg.top_k, self.cfg.block_size
-        full = seq.host_table[:pos // B]
+        full = seq.summary_ids[:pos // B]
         return StepDecode(seq, attn, pos, torch.tensor(full, dtype=torch.long),
                           torch.tensor(seq.block_table[:K + 1], dtype=torch.long) * B,
                           full[0] if full and is_contiguous(full) else None)
@@ -194,11 +209,18 @@ class SparseKV:
             self.device_kv[:, :, :, start:start + B] = 0
         filled = d.pos % B
         if filled:
-            src = d.seq.host_table[d.pos // B] * B
+            src = self.host_block(d.seq, d.pos // B) * B
             dst = int(d.slab_tokens[K])
             self.device_kv[:, :, :, dst:dst + filled] = self.host_kv[:, :, :, src:src + filled]
             self._count(h2d_bytes=self.device_kv[:, :, :, :filled].numel()
                         * self.device_kv.element_size())
+
+    @staticmethod
+    def host_block(seq: Sequence, block: int) -> int:
+        """Host block of a logical block that is never evicted (a generated one, or any block
+        without a remote store): the same in every layer."""
+        cache = seq.host_cache
+        return seq.host_table[block] if cache is None else int(cache.where[0, block])
 
     def end_step(self) -> None:
         """After a successful forward: blocks that the step's tokens filled go to the host,
@@ -227,28 +249,37 @@ class SparseKV:
             self.flush()
 
     def _submit_fill(self, d: StepDecode, block: int) -> None:
-        ws = d.seq.working_set  # jobs keep theirs: the request may end while they run
-        step = self.step
+        # jobs keep what they need: the request may end (and free its tables) while they run
+        ws, step = d.seq.working_set, self.step
+        host, summary = self.host_block(d.seq, block), d.seq.summary_ids[block]
         for layer in range(self.device_kv.shape[0]):
             self.pipeline.submit(layer, f"fill step {step}", [
-                ("fill", lambda layer=layer: self._fill(d, ws, block, layer, step))], [d.seq])
+                ("fill", lambda layer=layer: self._fill(d, ws, block, host, summary, layer,
+                                                        step))], [d.seq])
 
-    def _fill(self, d: StepDecode, ws: WorkingSet, block: int, layer: int, step: int) -> None:
+    def _fill(self, d: StepDecode, ws: WorkingSet, block: int, host: int, summary: int,
+              layer: int, step: int) -> None:
         K, B = self.cfg.top_k, self.cfg.block_size
         active = int(d.slab_tokens[K])
-        host = d.seq.host_table[block] * B
         kv = self.device_kv[layer]  # [2, Hkv, slots, d]
         chunk = kv[:, :, active:active + B]  # [2, Hkv, B, d]
-        self.host_kv[layer, :, :, host:host + B] = chunk
+        self.host_kv[layer, :, :, host * B:(host + 1) * B] = chunk
         self._count(d2h_bytes=chunk.numel() * chunk.element_size())
-        self._summarize(torch.tensor([d.seq.host_table[block]]), chunk[0][None, :, None],
-                        layers=[layer])
+        self._summarize(torch.tensor([summary]), chunk[0][None, :, None], layers=[layer])
         slots, heads = insert_block(ws.head_map[layer], ws.last_used[layer], block, step)
         arange_b = torch.arange(B)
         dst = d.slab_tokens[slots][:, None] + arange_b  # [Hkv, B]
         kv[:, heads[:, None], dst] = kv[:, heads[:, None], active + arange_b]
 
     # ---- prefill ----------------------------------------------------------------------------
+
+    def hand_over(self, seq: Sequence) -> None:
+        """Remote store, after the request's prefill: its complete prompt blocks go to the
+        store and a bounded host cache takes over (the allocator frees the other blocks).
+        Raises RemoteStoreError when the put fails."""
+        before = self.remote.store.bytes_put
+        seq.host_cache = self.remote.hand_over(seq)
+        self._count(remote_put_bytes=self.remote.store.bytes_put - before)
 
     def summarize_prefill(self, seq: Sequence, start: int, end: int) -> None:
         """Summaries of the blocks that the prefill chunk [start, end) completed."""
@@ -261,15 +292,16 @@ class SparseKV:
         host_ids = torch.tensor([seq.host_table[b] for b in blocks], dtype=torch.long)
         tokens = (host_ids[:, None] * B + torch.arange(B)).flatten()
         keys = self.host_kv[:, 0][:, :, tokens]  # [L, Hkv, n*B, d]
-        self._summarize(host_ids, keys.unflatten(2, (len(host_ids), B)))
+        ids = torch.tensor([seq.summary_ids[b] for b in blocks], dtype=torch.long)
+        self._summarize(ids, keys.unflatten(2, (len(ids), B)))
 
-    def _summarize(self, host_ids: torch.Tensor, keys: torch.Tensor,
+    def _summarize(self, ids: torch.Tensor, keys: torch.Tensor,
                    layers: list[int] | None = None) -> None:
-        # keys [len(layers) or L, Hkv, n, B, d]
+        # keys [len(layers) or L, Hkv, n, B, d] -> summaries of ids [n]
         for i, layer in enumerate(layers or range(keys.shape[0])):
             kmin, kmax = summarize(keys[i])
-            self.kmin[layer, host_ids] = kmin.to(self.kmin.dtype)
-            self.kmax[layer, host_ids] = kmax.to(self.kmax.dtype)
+            self.kmin[layer, ids] = kmin.to(self.kmin.dtype)
+            self.kmax[layer, ids] = kmax.to(self.kmax.dtype)
 
     # ---- per layer: selection and the attention masks ------------------------------------
 
@@ -308,7 +340,7 @@ class SparseKV:
             inline = InlineExecutor()
             inline.tracer = self.pipeline.tracer
             for stage, fn in (("predict", job.predict), ("select", job.select),
-                              ("local", job.local)):
+                              ("remote", job.remote), ("local", job.local)):
                 try:
                     inline.submit(stage, fn, label=f"L{layer} step {self.step}").wait()
                 except PrefetchError:

@@ -1,7 +1,8 @@
 """The stages of one (layer, step) working-set selection for a batch's sparse requests:
-predict (scores + per-head top-K), select (capped LRU, head maps updated), remote (a no-op on
-one node), local (one gather host -> device slots). The pipeline runs them in order, inline or
-in workers; `kv/residency.py` creates them."""
+predict (scores + per-head top-K), select (capped LRU, head maps updated), remote (with a
+remote store: admitted blocks missing from the host caches, fetched in one call for the
+layer; on one node nothing to do), local (one gather host -> device slots). The pipeline runs
+them in order, inline or in workers; `kv/residency.py` creates them."""
 
 from __future__ import annotations
 
@@ -32,10 +33,12 @@ class SelectJob:
         self.kv, self.layer, self.step = kv, layer, step
         # only requests with complete blocks select; working sets captured now (a request
         # may end, and drop its working set, while the job runs)
-        self.picks = [(d, q) for d, q in picks if len(d.host_ids)]
+        self.picks = [(d, q) for d, q in picks if len(d.summary_ids)]
         self.working_sets = [d.seq.working_set for d, _ in self.picks]
+        self.caches = [d.seq.host_cache for d, _ in self.picks]  # remote store: host caches
         self.ids = self.lengths = self.predicted = None
-        self.heads = self.dst = self.src = None
+        self.requests = self.blocks = None  # [A] admissions: request, logical block
+        self.heads = self.dst = self.src = None  # [A] KV head, device token slot, host slot
 
     def _hook(self, stage: str) -> None:
         hook = self.kv.stage_hooks.get(stage)
@@ -48,18 +51,19 @@ class SelectJob:
         if not self.picks:
             return
         kv, K = self.kv, self.kv.cfg.top_k
-        kmin, kmax = kv.kmin[self.layer], kv.kmax[self.layer]  # [host_blocks, Hkv, d]
-        self.ids = pad_sequence([d.host_ids for d, _ in self.picks], batch_first=True)  # [R, n]
-        self.lengths = torch.tensor([len(d.host_ids) for d, _ in self.picks])
+        kmin, kmax = kv.kmin[self.layer], kv.kmax[self.layer]  # [summary ids, Hkv, d]
+        self.ids = pad_sequence([d.summary_ids for d, _ in self.picks],
+                                batch_first=True)  # [R, n]
+        self.lengths = torch.tensor([len(d.summary_ids) for d, _ in self.picks])
         n = self.ids.shape[1]
         scores = torch.full((len(self.picks), kmin.shape[1], n), float("-inf"))  # [R, Hkv, n]
         for r, (d, query) in enumerate(self.picks):
-            if d.host_start is not None:  # one run of host blocks: score a view, no gather
-                run = slice(d.host_start, d.host_start + len(d.host_ids))
+            if d.summary_start is not None:  # one run of summaries: score a view, no gather
+                run = slice(d.summary_start, d.summary_start + len(d.summary_ids))
                 lo, hi = kmin[run], kmax[run]
             else:
-                lo, hi = kmin[d.host_ids], kmax[d.host_ids]
-            scores[r, :, :len(d.host_ids)] = block_scores(query, lo, hi, kv.cfg.score_alpha)
+                lo, hi = kmin[d.summary_ids], kmax[d.summary_ids]
+            scores[r, :, :len(d.summary_ids)] = block_scores(query, lo, hi, kv.cfg.score_alpha)
         scores.masked_fill_(pinned_blocks(self.lengths, n, kv.cfg.sink_blocks,
                                           kv.cfg.recent_blocks)[:, None, :], float("inf"))
         top = torch.topk(scores, min(K, n), dim=-1, sorted=True).indices  # [R, Hkv, k]
@@ -71,7 +75,7 @@ class SelectJob:
         self._hook("select")
         if self.predicted is None:
             return
-        kv, layer, K, B = self.kv, self.layer, self.kv.cfg.top_k, self.kv.cfg.block_size
+        kv, layer, K = self.kv, self.layer, self.kv.cfg.top_k
         wss = self.working_sets
         head_map = torch.stack([ws.head_map[layer] for ws in wss])  # [R, K, Hkv]
         last_used = torch.stack([ws.last_used[layer] for ws in wss])
@@ -81,16 +85,43 @@ class SelectJob:
         for i, ws in enumerate(wss):
             ws.head_map[layer], ws.last_used[layer] = head_map[i], last_used[i]
             ws.seeded[layer] = ws.seeded[layer] or int(self.lengths[i]) > K
+            if self.caches[i] is not None:  # the host cache's LRU follows the selections
+                self.caches[i].touch(layer, self.predicted[i].flatten(), self.step)
         kv._count(predicted=int(sel.predicted.sum()), hits=int(sel.hits.sum()),
                   wanted=int(sel.wanted.sum()), admitted=len(sel.slots))
         slab = torch.stack([d.slab_tokens for d, _ in self.picks])  # [R, K+1]
-        self.heads = sel.heads
+        self.requests, self.blocks, self.heads = sel.requests, sel.blocks, sel.heads
         self.dst = slab[sel.requests, sel.slots]
-        self.src = self.ids[sel.requests, sel.blocks] * B
 
     def remote(self) -> None:
-        """Single node: the host tier holds every block, nothing to fetch from remote memory."""
+        """Where each admission's block is on the host. One node: its host block is its
+        summary id. Remote store: blocks missing from a request's host cache in this layer
+        are fetched, all requests' in one store call; a request whose fetch failed loses its
+        admissions (the engine fails it after the step)."""
         self._hook("remote")
+        if self.heads is None or len(self.heads) == 0:
+            return
+        kv, layer = self.kv, self.layer
+        if kv.remote is None:
+            self.src = self.ids[self.requests, self.blocks] * kv.cfg.block_size
+            return
+        wants = []
+        for r, cache in enumerate(self.caches):
+            if cache is None:
+                raise RuntimeError(f"request {self.picks[r][0].seq.request_id} decodes "
+                                   "without a host cache (its prompt was never handed over)")
+            wants.append((cache, self.working_sets[r].head_map[layer].flatten(),
+                          self.blocks[self.requests == r].unique()))
+        got = kv.remote.fetch(layer, wants)
+        kv._count(remote_bytes=got.bytes, remote_blocks=got.blocks,
+                  host_evictions=got.evictions)
+        host = torch.empty_like(self.blocks)  # [A]
+        for r, cache in enumerate(self.caches):
+            mine = self.requests == r
+            host[mine] = cache.where[layer, self.blocks[mine]]
+        ok = host >= 0  # -1: the fetch failed
+        self.heads, self.dst = self.heads[ok], self.dst[ok]
+        self.src = host[ok] * kv.cfg.block_size
 
     def local(self) -> None:
         """One vectorised gather of per-head block slices, host -> device slots."""

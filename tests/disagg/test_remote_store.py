@@ -14,27 +14,18 @@ import subprocess
 import sys
 import time
 import uuid
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_mooncake
 
 from oasiskv.disagg import BlockKey, InProcessStore, MooncakeStore, RemoteStore, RemoteStoreError
-from oasiskv.disagg.mooncake import (
-    INSTALL_HINT,
-    free_port,
-    mooncake_available,
-    port_open,
-    private_network,
-    start_master,
-)
+from oasiskv.disagg.mooncake import free_port, port_open, private_network, start_master
 
 BLOCK = (2, 2, 4, 8)  # [2 (K, V), Hkv, B, d]
 DTYPE = torch.bfloat16
 BLOCK_BYTES = 2 * 2 * 4 * 8 * 2
-needs_mooncake = pytest.mark.skipif(
-    not mooncake_available(), reason=f"Mooncake wheel not installed: run {INSTALL_HINT}")
 
 
 def random_blocks(n: int, seed: int = 0) -> torch.Tensor:
@@ -45,27 +36,6 @@ def random_blocks(n: int, seed: int = 0) -> torch.Tensor:
 
 def keys_for(namespace: str, n: int, layers: int = 2) -> list[BlockKey]:
     return [BlockKey(namespace, i % layers, i // layers) for i in range(n)]
-
-
-@pytest.fixture(scope="module")
-def mooncake_net():
-    """A private network namespace for this module's Mooncake processes (yields whether the
-    kernel granted one; if not, everything stays bound to 127.0.0.1 on the shared network)."""
-    if not mooncake_available():
-        pytest.skip(f"Mooncake wheel not installed: run {INSTALL_HINT}")
-    with private_network() as private, pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-        if not private:
-            warnings.warn("no private network namespace here (unshare refused); Mooncake "
-                          "runs loopback-bound and its data ports listen on all interfaces",
-                          stacklevel=1)
-        yield private
-
-
-@pytest.fixture(scope="module")
-def master(mooncake_net):
-    with start_master(client_ttl_s=2, lease_ttl_ms=500) as handle:
-        yield handle
 
 
 def mooncake_store(address: str, **kwargs) -> MooncakeStore:

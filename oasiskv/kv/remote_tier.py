@@ -1,0 +1,147 @@
+"""The remote tier under the decode-host cache: puts a request's complete prompt blocks when its
+prefill is done, and fetches host misses for a layer, coalesced across the batch's requests.
+
+Store keys are (namespace = request id, layer, logical block), one block `[2, Hkv, B, d]` per
+key, so a layer's remote stage fetches exactly the blocks its admissions miss. A failing fetch
+fails only the requests whose blocks failed: the error names keys, and their namespaces say
+whose; an error naming none is narrowed down by fetching each request's blocks alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from oasiskv.disagg.remote_store import (
+    BlockKey,
+    InProcessStore,
+    MooncakeStore,
+    RemoteStore,
+    RemoteStoreError,
+)
+from oasiskv.engine.sequence import Sequence
+from oasiskv.kv.host_cache import HostCache, prompt_capacity
+
+
+def open_store(spec: str, block_shape: tuple[int, int, int, int],
+               dtype: torch.dtype) -> RemoteStore | None:
+    """CacheConfig.remote_store -> a store (None for "none")."""
+    if spec == "none":
+        return None
+    if spec == "inprocess":
+        return InProcessStore(block_shape, dtype)
+    # Own key prefix: engines sharing a master must not read each other's request ids.
+    return MooncakeStore(block_shape, dtype, spec.removeprefix("mooncake://"),
+                         key_prefix=f"oasiskv{uuid.uuid4().hex[:8]}")
+
+
+def namespace_for(request_id: str) -> str:
+    """The request id when it can be a store namespace, else a digest of it."""
+    try:
+        BlockKey(request_id, 0, 0)
+    except ValueError:
+        return "h" + hashlib.sha1(request_id.encode()).hexdigest()[:20]
+    return request_id
+
+
+@dataclass
+class FetchResult:
+    blocks: int = 0  # blocks read from the store
+    bytes: int = 0
+    evictions: int = 0  # prompt blocks dropped from host caches to make room
+
+
+@dataclass(eq=False)  # compared by identity
+class _Want:
+    cache: HostCache
+    blocks: torch.Tensor  # [m] logical blocks to fetch
+    slots: torch.Tensor  # [m] host blocks they go to
+
+
+@dataclass
+class RemoteTier:
+    store: RemoteStore
+    host_kv: torch.Tensor  # [L, 2, Hkv, host_slots, d] the host tier the caches live in
+    block_size: int
+    f_host: float
+    working_set: int  # K * Hkv: most distinct blocks one layer's working sets can hold
+    _arange: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._arange = torch.arange(self.block_size)
+
+    def _tokens(self, slots: torch.Tensor) -> torch.Tensor:
+        return (slots[:, None] * self.block_size + self._arange).flatten()
+
+    def hand_over(self, seq: Sequence) -> HostCache:
+        """Puts the request's complete prompt blocks (all layers) to the store and returns its
+        host cache; the caller frees the host blocks the cache does not own. Raises
+        RemoteStoreError when the put fails."""
+        B, L = self.block_size, self.host_kv.shape[0]
+        P = seq.num_prompt_tokens // B
+        namespace = namespace_for(seq.request_id)
+        if P:
+            kv = self.host_kv[:, :, :, self._tokens(torch.tensor(seq.host_table[:P]))]
+            blocks = kv.unflatten(3, (P, B)).permute(0, 3, 1, 2, 4, 5)  # [L, P, 2, Hkv, B, d]
+            keys = [BlockKey(namespace, layer, b) for layer in range(L) for b in range(P)]
+            self.store.put_blocks(keys, blocks.reshape(L * P, *blocks.shape[2:]))
+        capacity = prompt_capacity(self.f_host, P, self.working_set)
+        return HostCache.create(namespace, seq.host_table, L, P, capacity)
+
+    def fetch(self, layer: int, wants: list[tuple[HostCache, torch.Tensor, torch.Tensor]]
+              ) -> FetchResult:
+        """For each (cache, protected [*], blocks [m]): the logical prompt blocks of `blocks`
+        that are not on the host in `layer` get host blocks (LRU eviction outside
+        `protected`) and are read from the store, in one call for all requests. A request
+        whose read fails gets `cache.error`, and its blocks stay off the host."""
+        result = FetchResult()
+        plan = []
+        for cache, protected, blocks in wants:
+            missing = blocks[cache.where[layer, blocks] < 0]
+            if len(missing):
+                slots, evicted = cache.make_room(layer, missing, protected)
+                result.evictions += evicted
+                plan.append(_Want(cache, missing, slots))
+        for want, error in self._get(layer, plan, result):
+            want.cache.forget(layer, want.blocks)
+            want.cache.error = (f"remote tier: fetching blocks of layer {layer} failed: "
+                                f"{type(error).__name__}: {error}")
+        return result
+
+    def _get(self, layer: int, plan: list[_Want],
+             result: FetchResult) -> list[tuple[_Want, RemoteStoreError]]:
+        """Reads the plan's blocks into their host blocks; returns the wants that failed."""
+        if not plan:
+            return []
+        keys = [BlockKey(w.cache.namespace, layer, int(b)) for w in plan for b in w.blocks]
+        try:
+            out = self.store.get_blocks(keys)  # [n, 2, Hkv, B, d]
+        except RemoteStoreError as e:
+            named = {k.namespace for k in e.keys if isinstance(k, BlockKey)}
+            blamed = [w for w in plan if w.cache.namespace in named]
+            if not blamed and len(plan) > 1:  # no key named: each request's blocks alone
+                return [f for w in plan for f in self._get(layer, [w], result)]
+            blamed = blamed or plan
+            rest = [w for w in plan if w not in blamed]
+            return [(w, e) for w in blamed] + self._get(layer, rest, result)
+        slots = torch.cat([w.slots for w in plan])
+        _, _, hkv, _, d = self.host_kv.shape
+        self.host_kv[layer][:, :, self._tokens(slots)] = \
+            out.permute(1, 2, 0, 3, 4).reshape(2, hkv, -1, d)
+        result.blocks += len(keys)
+        result.bytes += len(keys) * self.store.block_bytes
+        return []
+
+    def remove(self, seq: Sequence) -> None:
+        """Drops a finished request's blocks from the store (best effort: a store that is
+        gone keeps nothing worth removing)."""
+        try:
+            self.store.remove(namespace_for(seq.request_id))
+        except RemoteStoreError:
+            pass
+
+    def close(self) -> None:
+        self.store.close()
