@@ -107,7 +107,7 @@ KV_MODES = ("dense", "sparse")
 PREDICTORS = ("lookahead", "previous", "exact")
 PREFETCH = ("async", "sync")
 DRAFTERS = ("self", "ngram", "resync", "model")
-_MOONCAKE = re.compile(r"mooncake://[^\s:/]+:[0-9]{1,5}")
+_REMOTE = re.compile(r"mooncake://[^\s:/]+:[0-9]{1,5}|inprocess://[A-Za-z0-9_.-]+")
 
 
 @dataclass
@@ -143,9 +143,15 @@ class CacheConfig:
         "(the default: on a 2-core CPU the workers compete with the model for the cores)")
     remote_store: str = _field(
         "none", "sparse: the remote tier under the host tier. none: the host holds every "
-        "block; inprocess: an in-process store; mooncake://HOST:PORT: a Mooncake Store whose "
-        "master listens there. With a store, a request's complete prompt blocks go to it when "
-        "its prefill is done and the host keeps a bounded cache of them (f_host)")
+        "block; inprocess: an in-process store; inprocess://NAME: one shared by the engines "
+        "of this process that name it (prefill and decode workers); mooncake://HOST:PORT: a "
+        "Mooncake Store whose master listens there. With a store, a request's complete prompt "
+        "blocks go to it when its prefill is done and the host keeps a bounded cache of them "
+        "(f_host)")
+    remote_lend: str = _field(
+        "256MiB", "mooncake: host memory this engine lends to the store, where its puts (a "
+        "prefill worker's prompt blocks) can land; 0 on a decode-only worker, so that prompt "
+        "blocks stay on the prefill host")
     f_host: float = _field(
         1.0, "sparse with a remote_store: decode-host residency ratio of prompt blocks; a "
         "request keeps ceil(f_host*P) of its P complete prompt blocks on the host (at least "
@@ -190,12 +196,13 @@ class CacheConfig:
 
     def _check_remote(self) -> None:
         spec = self.remote_store
-        if spec not in ("none", "inprocess") and not _MOONCAKE.fullmatch(spec):
-            raise ValueError(f"remote_store must be none, inprocess or mooncake://HOST:PORT, "
-                             f"got {spec!r}")
+        if spec not in ("none", "inprocess") and not _REMOTE.fullmatch(spec):
+            raise ValueError(f"remote_store must be none, inprocess, inprocess://NAME or "
+                             f"mooncake://HOST:PORT, got {spec!r}")
         if spec != "none" and self.kv_mode != "sparse":
             raise ValueError(f"remote_store={spec!r} needs kv_mode=sparse (the remote tier "
                              "sits under the sparse mode's host tier)")
+        parse_bytes(self.remote_lend)
         if not 0 < self.f_host <= 1:
             raise ValueError(f"f_host must be in (0, 1], got {self.f_host}")
         if self.f_host < 1 and spec == "none":

@@ -11,8 +11,9 @@ class RequestOutput:
     text: str
     token_ids: list[int]  # generated tokens only
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort", "error"
+    finish_reason: str | None  # "stop", "length", "abort", "error", "handoff"
     metrics: RequestMetrics
     stop_reason: str | int | None = None  # the stop string or token that ended it
     error: str | None = None
     logprobs: list[float] | None = None  # per generated token, when the request asked
+    handoff: object | None = None  # finish_reason "handoff": a disagg.handoff.Handoff

@@ -52,6 +52,7 @@ FIELD_VALUES = {
     "recent_blocks": (1, lambda e, _: e.config.cache.recent_blocks == 1),
     "remote_store": ("none", lambda e, _: e.config.cache.remote_store == "none"),
     "f_host": (1.0, lambda e, _: e.config.cache.f_host == 1.0),
+    "remote_lend": ("64MiB", lambda e, _: e.config.cache.remote_lend == "64MiB"),
     "prefetch": ("async", lambda e, _: e.config.cache.prefetch == "async"),
 }
 

@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from oasiskv.config import CacheConfig, EngineConfig, ModelConfig
+from oasiskv.config import CacheConfig, EngineConfig, ModelConfig, parse_bytes
+from oasiskv.disagg.handoff import TRANSFERS, Handoff, receive_handoff, take_handoff
 from oasiskv.disagg.remote_store import RemoteStoreError
 from oasiskv.engine.runner import ModelRunner, allocate_kv, is_decode
 from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
@@ -131,7 +132,8 @@ class LLMEngine:
     def _build_remote(self, cache: CacheConfig, mc: ModelConfig, dtype: torch.dtype,
                       host_kv: torch.Tensor) -> RemoteTier | None:
         store = open_store(cache.remote_store,
-                           (2, mc.num_kv_heads, cache.block_size, mc.head_dim), dtype)
+                           (2, mc.num_kv_heads, cache.block_size, mc.head_dim), dtype,
+                           parse_bytes(cache.remote_lend))
         if store is None:
             return None
         weakref.finalize(self, store.close)
@@ -218,9 +220,59 @@ class LLMEngine:
         return seq.request_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None,
-                    prefix_kv: torch.Tensor | None = None) -> str:
-        return self.add_sequence(self.make_sequence(prompt, params, request_id, prefix_kv))
+                    request_id: str | None = None, prefix_kv: torch.Tensor | None = None,
+                    transfer: str | None = None) -> str:
+        """`transfer` ("partial" or "full"; prefill worker): after its prompt and one decode
+        step the request finishes with reason "handoff", its output carrying the Handoff for
+        a decode worker (`add_handoff`); its prompt blocks stay in the remote store."""
+        seq = self.make_sequence(prompt, params, request_id, prefix_kv)
+        if transfer is not None:
+            self._check_remote("a hand-over")
+            if transfer not in TRANSFERS:
+                raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
+            seq.transfer = transfer
+        return self.add_sequence(seq)
+
+    def add_handoff(self, handoff: Handoff, params: SamplingParams) -> str:
+        """Decode worker: continues a request a prefill worker handed over (`params` as the
+        client sent them). Its prompt blocks stay in the shared remote store; the kept ones
+        are read at admission, the others when a step wants them."""
+        self._check_remote("a handed-over request")
+        h, mc, B = handoff, self.model_config, self.config.cache.block_size
+        L, _, hkv, _, d = h.tail.shape
+        if (L, hkv, d, h.block_size) != (mc.num_layers, mc.num_kv_heads, mc.head_dim, B):
+            raise ValueError(f"hand-over of request {h.request_id!r} has {L} layers x {hkv} KV "
+                             f"heads x head_dim {d}, block {h.block_size}; this engine has "
+                             f"{mc.num_layers} x {mc.num_kv_heads} x {mc.head_dim}, block {B}")
+        if h.head_map.shape[1] != self.config.cache.top_k:
+            raise ValueError(f"hand-over of request {h.request_id!r} has working sets of top_k "
+                             f"{h.head_map.shape[1]}, this engine's top_k is "
+                             f"{self.config.cache.top_k}")
+        if h.request_id in self.requests:
+            raise ValueError(f"request id {h.request_id!r} is already in use")
+        max_context = min(h.num_prompt_tokens + params.max_tokens, self.max_model_len)
+        if len(h.token_ids) >= max_context:
+            raise ValueError(f"request {h.request_id!r} has {len(h.token_ids)} tokens, its "
+                             f"max_context is {max_context}: nothing left to decode")
+        P = h.num_prompt_blocks
+        budget = self.sparse.remote.capacity(P) + self.host_pool.blocks_for(max_context) - P
+        problem = self.kv.fits_alone(max_context, host_blocks=budget)
+        if problem:
+            raise ValueError(problem)
+        seq = Sequence(h.request_id, list(h.token_ids), h.num_prompt_tokens, params,
+                       prompt=h.prompt, max_context=max_context, metrics=h.metrics,
+                       num_computed_tokens=h.num_computed_tokens, handoff=h,
+                       host_budget=budget, draft_tokens=list(h.draft_tokens))
+        if h.generator_state is not None:
+            seq.generator = torch.Generator()
+            seq.generator.set_state(h.generator_state)
+        seq.output_text = self.decode(seq)
+        return self.add_sequence(seq)
+
+    def _check_remote(self, what: str) -> None:
+        if self.sparse is None or self.sparse.remote is None:
+            raise ValueError(f"{what} needs kv_mode=sparse and a remote_store shared with the "
+                             "other worker (inprocess://NAME or mooncake://HOST:PORT)")
 
     def close(self) -> None:
         """Stops the prefetch workers (pending jobs finish first)."""
@@ -253,6 +305,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return self._fail_stuck()
+        failed = self._receive(batch)
+        batch = [(seq, n) for seq, n in batch if not seq.is_finished]
+        if not batch:
+            return [self._output(seq) for seq in failed]
         now = time.perf_counter()
         for seq, _ in batch:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
@@ -284,14 +340,43 @@ class LLMEngine:
         if self.sparse is not None:
             entry.update(vars(self.sparse.last_step))
         self.step_log.append(entry)
-        failed = self._fail_remote(batch)
+        failed += self._fail_remote(batch)
         for seq, (token, accepted) in zip(seqs, tokens, strict=True):
             if not seq.is_finished:
                 self._advance(seq, token, accepted, drafts[id(seq)], done,
                               draft_features.get(id(seq)))
         self._hand_over(batch)
+        self._hand_off(seqs)
         return [self._output(seq)
                 for seq in seqs + [f for f in failed if all(f is not s for s in seqs)]]
+
+    def _receive(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Decode worker: installs the hand-overs of requests admitted this step; returns
+        those whose blocks could not be read (failed with the store's error)."""
+        failed = []
+        for seq, _ in batch:
+            if seq.handoff is None or seq.host_cache is not None:
+                continue
+            try:
+                read = receive_handoff(self.sparse, seq, seq.handoff)
+            except RemoteStoreError as e:
+                log.error("request %s failed: %r", seq.request_id, e)
+                self._finish(seq, "error", error=f"remote tier: reading the hand-over of "
+                             f"request {seq.request_id} failed: {e}")
+                failed.append(seq)
+                continue
+            self.sparse.counters.handoff_bytes += read + seq.handoff.metadata_bytes
+        return failed
+
+    def _hand_off(self, seqs: list[Sequence]) -> None:
+        """Prefill worker: a request with a transfer mode leaves after its first decode step
+        with what a decode worker needs (its prompt blocks stay in the store)."""
+        for seq in seqs:
+            if seq.transfer is None or seq.is_finished or seq.working_set is None:
+                continue
+            self.sparse.flush()  # the next step's blocks are chosen and fetched
+            seq.handoff = take_handoff(self.sparse, seq, seq.transfer)
+            self._finish(seq, "handoff")
 
     def _fail_remote(self, batch: ScheduledBatch) -> list[Sequence]:
         """Requests whose remote fetch failed (this step or, with async prefetch, before):
@@ -317,7 +402,8 @@ class LLMEngine:
                 self.sparse.hand_over(seq)
             except RemoteStoreError as e:
                 log.error("request %s failed: %r", seq.request_id, e)
-                self.sparse.remote.remove(seq)  # whatever part of the prompt got there
+                # whatever part of the prompt got there
+                self.sparse.remote.remove(self.sparse.remote.namespace(seq.request_id))
                 self._finish(seq, "error", error=f"remote tier: storing the prompt of request "
                              f"{seq.request_id} failed: {e}")
                 continue
@@ -435,9 +521,10 @@ class LLMEngine:
             # its prefetch and fill jobs for the next step may still write its host blocks,
             # which the next request may get: they finish first
             self.sparse.flush()
-        if seq.host_cache is not None:  # its blocks leave the store with it
-            self.host_cache_peak = max(self.host_cache_peak, seq.host_cache.peak)
-            self.sparse.remote.remove(seq)
+        if seq.host_cache is not None:  # its blocks leave the store with it (handed over:
+            self.host_cache_peak = max(self.host_cache_peak, seq.host_cache.peak)  # later)
+            if reason != "handoff":
+                self.sparse.remote.remove(seq.host_cache.namespace)
         self.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
         if self.drafter is not None:
@@ -474,7 +561,8 @@ class LLMEngine:
             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], text=seq.output_text,
             token_ids=out_ids, finished=seq.is_finished, finish_reason=seq.finish_reason,
             metrics=seq.metrics, stop_reason=seq.stop_reason, error=seq.error,
-            logprobs=seq.logprobs[:len(out_ids)] if seq.params.logprobs else None)
+            logprobs=seq.logprobs[:len(out_ids)] if seq.params.logprobs else None,
+            handoff=seq.handoff if seq.finish_reason == "handoff" else None)
 
     # ---- counters -------------------------------------------------------------------------
 

@@ -69,6 +69,12 @@ class Sequence:
     # sparse with a remote store: summary id of each logical block (without one: host_table)
     summary_table: list[int] = field(default_factory=list)
     host_cache: object | None = None  # kv.host_cache.HostCache once the prompt is in the store
+    # prefill worker: "partial"/"full", hand the request over after one decode step
+    transfer: str | None = None
+    # decode worker: the disagg.handoff.Handoff it came with (installed at admission);
+    # prefill worker: the one it left with
+    handoff: object | None = None
+    host_budget: int | None = None  # a handed-over request: host blocks its cache will own
     working_set: object | None = None  # sparse: kv.residency.WorkingSet once decoding
     draft_tokens: list[int] = field(default_factory=list)  # guesses of the next token
     # K/V of the first n prompt tokens computed elsewhere, [L, K/V, Hkv, n, d]: the runner

@@ -102,8 +102,12 @@ class KVAllocator:
         if not self.sparse:
             return self.device.blocks_for(num_tokens) - len(seq.block_table), 0
         tokens = max(num_tokens, seq.max_context)
-        host = 0 if seq.host_cache is not None else (
-            self.host.blocks_for(tokens) - len(seq.host_table))
+        if seq.host_cache is not None:
+            host = 0
+        elif seq.host_budget is not None:
+            host = seq.host_budget - len(seq.host_table)
+        else:
+            host = self.host.blocks_for(tokens) - len(seq.host_table)
         return self.device_blocks_for(tokens) - len(seq.block_table), host
 
     def _summary_need(self, seq: Sequence, num_tokens: int) -> int:
@@ -129,7 +133,9 @@ class KVAllocator:
         tokens = max(num_tokens, seq.max_context)
         self.device.grow(seq.block_table, self.device_blocks_for(tokens) * self.device.block_size)
         if seq.host_cache is None:
-            self.host.grow(seq.host_table, tokens)
+            budget = seq.host_budget
+            self.host.grow(seq.host_table,
+                           tokens if budget is None else budget * self.host.block_size)
         if self.summaries is not None:
             self.summaries.grow(seq.summary_table, tokens)
 
@@ -147,8 +153,9 @@ class KVAllocator:
                 self.summaries.free(seq.summary_table)
             seq.working_set = seq.host_cache = None
 
-    def fits_alone(self, num_tokens: int) -> str | None:
-        """None when one request of `num_tokens` fits the empty tiers, else the reason."""
+    def fits_alone(self, num_tokens: int, host_blocks: int | None = None) -> str | None:
+        """None when one request of `num_tokens` fits the empty tiers, else the reason.
+        `host_blocks`: a handed-over request's host budget (else its whole history)."""
         if not self.sparse:
             need, have = self.device.blocks_for(num_tokens), self.device.num_blocks
             return None if need <= have else (
@@ -160,7 +167,8 @@ class KVAllocator:
                     f"(top_k + 1 for its working set, the rest for its block summaries), the "
                     f"device KV budget holds {self.device.num_blocks}")
         # the whole history passes through the host during prefill, remote store or not
-        need, have = self.host.blocks_for(num_tokens), self.host.num_blocks
+        need = self.host.blocks_for(num_tokens) if host_blocks is None else host_blocks
+        have = self.host.num_blocks
         return None if need <= have else (
             f"request needs up to {num_tokens} tokens of KV, the host KV budget holds "
             f"{have * self.host.block_size}; raise host_kv_budget or lower max_tokens")

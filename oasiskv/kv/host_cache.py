@@ -61,6 +61,30 @@ class HostCache:
         cache.peak = cache.resident()
         return cache
 
+    @classmethod
+    def received(cls, namespace: str, host_table: list[int], num_prompt: int, capacity: int,
+                 resident: list[torch.Tensor]) -> HostCache:
+        """A request handed over by a prefill worker: it owns `host_table` (capacity prompt
+        slots, then one block per logical block from P on); layer l starts holding the
+        logical prompt blocks resident[l] (at most capacity, first in the least recently
+        used order)."""
+        table = torch.tensor(host_table, dtype=torch.long)
+        slots, generated = table[:capacity], table[capacity:]
+        L = len(resident)
+        where = torch.full((L, num_prompt + len(generated)), -1, dtype=torch.long)
+        where[:, num_prompt:] = generated
+        holder = torch.full((L, capacity), -1, dtype=torch.long)
+        last_used = torch.zeros((L, num_prompt), dtype=torch.long)
+        for layer, blocks in enumerate(resident):
+            n = len(blocks)
+            holder[layer, :n] = blocks
+            where[layer, blocks] = slots[:n]
+            last_used[layer, blocks] = torch.arange(n) - n  # older than any selection
+        cache = cls(namespace, num_prompt, slots, holder, where, last_used,
+                    capacity + len(generated))
+        cache.peak = cache.resident()
+        return cache
+
     @property
     def owned(self) -> list[int]:
         """Host blocks the request owns after the hand-over (what the allocator frees)."""

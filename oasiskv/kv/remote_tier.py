@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -25,26 +26,38 @@ from oasiskv.disagg.remote_store import (
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.host_cache import HostCache, prompt_capacity
 
+_SHARED: weakref.WeakValueDictionary[str, InProcessStore] = weakref.WeakValueDictionary()
 
-def open_store(spec: str, block_shape: tuple[int, int, int, int],
-               dtype: torch.dtype) -> RemoteStore | None:
-    """CacheConfig.remote_store -> a store (None for "none")."""
+
+def open_store(spec: str, block_shape: tuple[int, int, int, int], dtype: torch.dtype,
+               lend_bytes: int = 256 << 20) -> RemoteStore | None:
+    """CacheConfig.remote_store -> a store (None for "none"). "inprocess://NAME" is one store
+    shared by the engines of this process that name it (a prefill and a decode engine)."""
     if spec == "none":
         return None
     if spec == "inprocess":
         return InProcessStore(block_shape, dtype)
-    # Own key prefix: engines sharing a master must not read each other's request ids.
+    if spec.startswith("inprocess://"):
+        store = _SHARED.get(spec)
+        if store is None:
+            store = _SHARED[spec] = InProcessStore(block_shape, dtype)
+        elif (store.block_shape, store.dtype) != (tuple(block_shape), dtype):
+            raise ValueError(f"{spec} holds blocks {store.block_shape} {store.dtype}, this "
+                             f"engine's are {tuple(block_shape)} {dtype}")
+        return store
     return MooncakeStore(block_shape, dtype, spec.removeprefix("mooncake://"),
-                         key_prefix=f"oasiskv{uuid.uuid4().hex[:8]}")
+                         segment_bytes=lend_bytes)
 
 
-def namespace_for(request_id: str) -> str:
-    """The request id when it can be a store namespace, else a digest of it."""
+def namespace_for(engine_tag: str, request_id: str) -> str:
+    """The store namespace of a request: the engine's tag (engines sharing a store must not
+    read each other's request ids) and the request id, or a digest of it."""
+    namespace = f"{engine_tag}-{request_id}"
     try:
-        BlockKey(request_id, 0, 0)
+        BlockKey(namespace, 0, 0)
     except ValueError:
-        return "h" + hashlib.sha1(request_id.encode()).hexdigest()[:20]
-    return request_id
+        return f"{engine_tag}-h" + hashlib.sha1(request_id.encode()).hexdigest()[:20]
+    return namespace
 
 
 @dataclass
@@ -68,10 +81,17 @@ class RemoteTier:
     block_size: int
     f_host: float
     working_set: int  # K * Hkv: most distinct blocks one layer's working sets can hold
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # this engine's namespaces
     _arange: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         self._arange = torch.arange(self.block_size)
+
+    def namespace(self, request_id: str) -> str:
+        return namespace_for(self.tag, request_id)
+
+    def capacity(self, num_prompt: int) -> int:
+        return prompt_capacity(self.f_host, num_prompt, self.working_set)
 
     def _tokens(self, slots: torch.Tensor) -> torch.Tensor:
         return (slots[:, None] * self.block_size + self._arange).flatten()
@@ -82,14 +102,36 @@ class RemoteTier:
         RemoteStoreError when the put fails."""
         B, L = self.block_size, self.host_kv.shape[0]
         P = seq.num_prompt_tokens // B
-        namespace = namespace_for(seq.request_id)
+        namespace = self.namespace(seq.request_id)
         if P:
             kv = self.host_kv[:, :, :, self._tokens(torch.tensor(seq.host_table[:P]))]
             blocks = kv.unflatten(3, (P, B)).permute(0, 3, 1, 2, 4, 5)  # [L, P, 2, Hkv, B, d]
             keys = [BlockKey(namespace, layer, b) for layer in range(L) for b in range(P)]
             self.store.put_blocks(keys, blocks.reshape(L * P, *blocks.shape[2:]))
-        capacity = prompt_capacity(self.f_host, P, self.working_set)
-        return HostCache.create(namespace, seq.host_table, L, P, capacity)
+        return HostCache.create(namespace, seq.host_table, L, P, self.capacity(P))
+
+    def receive(self, seq: Sequence, namespace: str, blocks: list[torch.Tensor],
+                keep: list[torch.Tensor]) -> tuple[HostCache, int]:
+        """A handed-over request, its host blocks allocated: reads each layer's `blocks`
+        ([m_l] logical prompt blocks) from the store in one call and keeps `keep[l]` (a
+        subset, at most the capacity) in its host cache. Returns (cache, bytes read). Raises
+        RemoteStoreError when the read fails."""
+        P = seq.num_prompt_tokens // self.block_size
+        cache = HostCache.received(namespace, seq.host_table, P, self.capacity(P), keep)
+        keys = [BlockKey(namespace, layer, int(b))
+                for layer, got in enumerate(blocks) for b in got]
+        if not keys:
+            return cache, 0
+        out = self.store.get_blocks(keys)  # [n, 2, Hkv, B, d]
+        start = 0
+        for layer, got in enumerate(blocks):
+            mine = out[start:start + len(got)]
+            start += len(got)
+            kept = torch.isin(got, keep[layer])
+            slots = cache.where[layer, got[kept]]
+            self.host_kv[layer][:, :, self._tokens(slots)] = \
+                mine[kept].permute(1, 2, 0, 3, 4).flatten(2, 3)
+        return cache, len(keys) * self.store.block_bytes
 
     def fetch(self, layer: int, wants: list[tuple[HostCache, torch.Tensor, torch.Tensor]]
               ) -> FetchResult:
@@ -135,11 +177,11 @@ class RemoteTier:
         result.bytes += len(keys) * self.store.block_bytes
         return []
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, namespace: str) -> None:
         """Drops a finished request's blocks from the store (best effort: a store that is
         gone keeps nothing worth removing)."""
         try:
-            self.store.remove(namespace_for(seq.request_id))
+            self.store.remove(namespace)
         except RemoteStoreError:
             pass
 

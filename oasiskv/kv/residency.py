@@ -61,6 +61,7 @@ class SparseCounters:
     remote_bytes: int = 0  # remote store -> host cache: misses fetched during decode
     remote_blocks: int = 0  # ... in blocks (one layer's block each)
     remote_put_bytes: int = 0  # host -> remote store: complete prompt blocks after prefill
+    handoff_bytes: int = 0  # decode worker: hand-overs' admission bytes (kept blocks + rest)
     host_evictions: int = 0  # prompt blocks the host caches dropped (still in the store)
     stall_s: float = 0.0  # foreground time waiting for prefetch jobs
 
@@ -200,20 +201,39 @@ class SparseKV:
         """First sparse decode step of a request: empty head map; the active block's tokens so
         far come from the host (its complete blocks are admitted by the first selection)."""
         L, _, hkv, _, _ = self.device_kv.shape
-        K, B = self.cfg.top_k, self.cfg.block_size
+        K = self.cfg.top_k
         d.seq.working_set = WorkingSet(torch.full((L, K, hkv), -1, dtype=torch.long),
                                        torch.zeros((L, K, hkv), dtype=torch.long), [False] * L,
                                        [False] * L)
+        self.load_slab(d.seq, d.pos)
+
+    def load_slab(self, seq: Sequence, pos: int) -> None:
+        """Fills the request's slab from the host: each layer's working-set blocks into their
+        (slot, head) and the active block's tokens before `pos`; empty slots are zeroed."""
+        K, B = self.cfg.top_k, self.cfg.block_size
+        slab = torch.tensor(seq.block_table[:K + 1], dtype=torch.long) * B  # [K+1]
         # Empty slots are masked out, but 0 * NaN is NaN in probs @ V: clear the slab's bytes.
-        for start in d.slab_tokens.tolist():
+        for start in slab.tolist():
             self.device_kv[:, :, :, start:start + B] = 0
-        filled = d.pos % B
+        arange_b, moved = torch.arange(B), 0
+        cache, table = seq.host_cache, torch.tensor(seq.host_table, dtype=torch.long)
+        for layer, head_map in enumerate(seq.working_set.head_map):  # [K, Hkv]
+            slots, heads = (head_map >= 0).nonzero(as_tuple=True)
+            if not len(slots):
+                continue
+            blocks = head_map[slots, heads]
+            host = table[blocks] if cache is None else cache.where[layer, blocks]
+            src, dst = host[:, None] * B + arange_b, slab[slots, None] + arange_b  # [n, B]
+            kv, host_kv = self.device_kv[layer], self.host_kv[layer]
+            kv[:, heads[:, None], dst] = host_kv[:, heads[:, None], src]
+            moved += src.numel() * 2 * kv.shape[-1]
+        filled = pos % B
         if filled:
-            src = self.host_block(d.seq, d.pos // B) * B
-            dst = int(d.slab_tokens[K])
+            src = self.host_block(seq, pos // B) * B
+            dst = int(slab[K])
             self.device_kv[:, :, :, dst:dst + filled] = self.host_kv[:, :, :, src:src + filled]
-            self._count(h2d_bytes=self.device_kv[:, :, :, :filled].numel()
-                        * self.device_kv.element_size())
+            moved += self.device_kv[:, :, :, :filled].numel()
+        self._count(h2d_bytes=moved * self.device_kv.element_size())
 
     @staticmethod
     def host_block(seq: Sequence, block: int) -> int:

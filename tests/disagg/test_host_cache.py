@@ -27,7 +27,7 @@ def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 
 class Recording(RemoteStore):
-    """Wraps a store: records each get's keys; gets touching a namespace in `failing` raise
+    """Wraps a store: records each get's keys; gets touching a request id in `failing` raise
     (naming the failed keys, or, with named=False, nothing, like a store that lost its link)."""
 
     def __init__(self, inner: RemoteStore, failing: tuple[str, ...] = (), named: bool = True):
@@ -40,7 +40,7 @@ class Recording(RemoteStore):
 
     def _get(self, keys, out):
         self.gets.append(list(keys))
-        bad = [k for k in keys if k.namespace in self.failing]
+        bad = [k for k in keys if k.namespace.split("-", 1)[1] in self.failing]
         if bad:
             raise RemoteStoreError("injected: the store lost these blocks",
                                    bad if self.named else [])
@@ -204,7 +204,7 @@ def test_evicted_blocks_are_fetched_again_in_one_call_per_layer_and_step(tiny_ll
     # sync prefetch: a (layer, step) selection's remote stage runs, then its store calls
     jobs: list[tuple[int, set[str], int]] = []  # (layer, its requests, gets before it)
     e.sparse.stage_hooks["remote"] = lambda layer, seqs: jobs.append(
-        (layer, {s.request_id for s in seqs}, len(store.gets)))
+        (layer, {s.host_cache.namespace for s in seqs}, len(store.gets)))
     prompts = prompts_of([240, 230, 250], seed=2)
     run_checked(llm, prompts, 0.1)
     ends = [n for _, _, n in jobs[1:]] + [len(store.gets)]
@@ -260,7 +260,7 @@ def test_a_failing_store_fails_only_the_requests_that_needed_it(tiny_llama, name
     e = llm.engine
     store = e.sparse.remote.store = Recording(e.sparse.remote.store, ("bad",), named)
     got = run_checked(llm, prompts, 0.1, ids=["a", "bad", "b"])
-    assert any(k.namespace == "bad" for keys in store.gets for k in keys)  # it was needed
+    assert any(k.namespace.endswith("-bad") for keys in store.gets for k in keys)  # needed
     assert got[1].finish_reason == "error"
     assert "remote tier" in got[1].error and "injected" in got[1].error
     for o, ref_out in ((got[0], want[0]), (got[2], want[2])):
@@ -278,7 +278,7 @@ def test_a_failing_store_fails_only_the_requests_that_needed_it(tiny_llama, name
 def test_a_failing_put_fails_only_that_request(tiny_llama):
     class PutFails(Recording):
         def _put(self, keys, blocks):
-            if any(k.namespace == "bad" for k in keys):
+            if any(k.namespace.endswith("-bad") for k in keys):
                 raise RemoteStoreError("injected: no room in the store")
             super()._put(keys, blocks)
 

@@ -1,0 +1,133 @@
+"""What a prefill worker hands a decode worker (paper §3.3.1, "partial transfer").
+
+The prefill worker computes the prompt, puts its complete blocks to the remote store, runs one
+decode step more (its first query predicts the working set of the next step), and hands over:
+the request's tokens, the summaries (kmin/kmax) of every complete block, the K/V of the
+blocks after the prompt's last complete one (the active block), each layer's working set, and
+which prompt blocks the decode host should hold at once. With `partial` transfer those are the
+per-layer union of the working set's blocks; with `full`, every prompt block. The decode
+worker reads those blocks from the store (one-sided reads of the prefill host's memory with
+Mooncake) and fetches any other prompt block from the store when a later step wants it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oasiskv.engine.sequence import RequestMetrics, Sequence
+from oasiskv.kv.residency import SparseKV, WorkingSet
+from oasiskv.kv.select import stamp
+
+TRANSFERS = ("partial", "full")
+
+
+@dataclass
+class Handoff:
+    request_id: str
+    namespace: str  # the request's prompt blocks in the remote store
+    prompt: str | None
+    token_ids: list[int]  # prompt + generated; the last one has no K/V yet
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    transfer: str  # "partial" | "full"
+    kept: list[torch.Tensor]  # per layer [m_l]: logical prompt blocks sent with the request
+    kmin: torch.Tensor  # [L, n_full, Hkv, d] summaries of every complete logical block
+    kmax: torch.Tensor
+    tail: torch.Tensor  # [L, 2, Hkv, T, d] K/V of tokens P*B .. num_computed (not in store)
+    head_map: torch.Tensor  # [L, K, Hkv] working set: logical block per (slot, head)
+    ages: torch.Tensor  # [L, K, Hkv] select.stamp of each slot minus the step's stamp (<= 0)
+    seeded: list[bool]  # per layer: the fetch cap applies
+    primed: list[bool]  # per layer: the next step's blocks are chosen
+    draft_tokens: list[int]
+    generator_state: torch.Tensor | None  # seeded sampling continues where it stopped
+    metrics: RequestMetrics  # arrival, first token (one process: perf_counter is shared)
+    block_size: int
+
+    @property
+    def num_prompt_blocks(self) -> int:
+        """P: complete prompt blocks, the ones in the store."""
+        return self.num_prompt_tokens // self.block_size
+
+    @property
+    def block_bytes(self) -> int:
+        """One logical block of one layer, [2, Hkv, B, d]."""
+        _, _, hkv, _, d = self.tail.shape
+        return 2 * hkv * self.block_size * d * self.tail.element_size()
+
+    @property
+    def kept_blocks(self) -> int:
+        """Prompt blocks (one layer's each) the decode worker reads at admission."""
+        return sum(len(k) for k in self.kept)
+
+    @property
+    def metadata_bytes(self) -> int:
+        """Summaries, the K/V after the last prompt block, working sets: sent with the
+        request itself."""
+        return sum(t.numel() * t.element_size()
+                   for t in (self.kmin, self.kmax, self.tail, self.head_map, self.ages))
+
+    @property
+    def admission_bytes(self) -> int:
+        """Bytes that move from the prefill host to the decode host before the first decode
+        step there: the kept blocks plus what travels with the request."""
+        return self.kept_blocks * self.block_bytes + self.metadata_bytes
+
+
+def take_handoff(kv: SparseKV, seq: Sequence, transfer: str) -> Handoff:
+    """Prefill side, after the request's extra decode step (its jobs done): what the decode
+    worker needs. The request's prompt blocks are in the store already."""
+    B = kv.cfg.block_size
+    P, n_full = seq.num_prompt_tokens // B, seq.num_computed_tokens // B
+    ws = seq.working_set
+    ids = torch.tensor(seq.summary_ids[:n_full], dtype=torch.long)
+    # complete generated blocks from the host; the active block's tokens only the slab has
+    blocks = torch.tensor([kv.host_block(seq, b) for b in range(P, n_full)], dtype=torch.long)
+    tokens = (blocks[:, None] * B + torch.arange(B)).flatten()
+    active = seq.block_table[kv.cfg.top_k] * B
+    tail = torch.cat([kv.host_kv[:, :, :, tokens], kv.device_kv[
+        :, :, :, active:active + seq.num_computed_tokens - n_full * B].to(kv.host_kv.device)],
+        dim=3)  # [L, 2, Hkv, T, d]
+    if transfer == "partial":  # each layer's working-set blocks from the prompt
+        kept = [m[(m >= 0) & (m < P)].unique() for m in ws.head_map]
+    else:
+        kept = [torch.arange(P)] * len(ws.head_map)
+    return Handoff(
+        request_id=seq.request_id, namespace=seq.host_cache.namespace, prompt=seq.prompt,
+        token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
+        num_computed_tokens=seq.num_computed_tokens, transfer=transfer, kept=kept,
+        kmin=kv.kmin[:, ids].cpu(), kmax=kv.kmax[:, ids].cpu(), tail=tail.cpu(),
+        head_map=ws.head_map.clone(), ages=ws.last_used - stamp(kv.step),
+        seeded=list(ws.seeded), primed=list(ws.primed), draft_tokens=list(seq.draft_tokens),
+        generator_state=None if seq.generator is None else seq.generator.get_state(),
+        metrics=seq.metrics, block_size=B)
+
+
+def receive_handoff(kv: SparseKV, seq: Sequence, handoff: Handoff) -> int:
+    """Decode side, the request admitted (slab, summary ids and host-cache blocks allocated):
+    reads the kept blocks from the store into its host cache, installs summaries, the active
+    block and the working set, and fills its slab, so that its next step continues where the
+    prefill worker's would have. Returns the bytes read from the store; raises
+    RemoteStoreError when the read fails."""
+    B, h = kv.cfg.block_size, handoff
+    P, n_full = h.num_prompt_blocks, h.num_computed_tokens // B
+    ids = torch.tensor(seq.summary_ids[:n_full], dtype=torch.long)
+    kv.kmin[:, ids], kv.kmax[:, ids] = h.kmin.to(kv.kmin), h.kmax.to(kv.kmax)
+    keep = h.kept
+    if h.transfer == "full":  # all of the prompt arrives: keep the working sets' blocks, then
+        capacity = kv.remote.capacity(P)  # the most recent ones
+        keep = []
+        for m in h.head_map:
+            wanted = m[(m >= 0) & (m < P)].unique()
+            rest = torch.arange(P - 1, -1, -1)
+            rest = rest[~torch.isin(rest, wanted)][:capacity - len(wanted)]
+            keep.append(torch.cat([rest.flip(0), wanted]))  # the working set most recent
+    seq.host_cache, read = kv.remote.receive(seq, h.namespace, h.kept, keep)
+    generated = seq.host_cache.where[0, P:P + -(-h.tail.shape[3] // B)]
+    tokens = (generated[:, None] * B + torch.arange(B)).flatten()[:h.tail.shape[3]]
+    kv.host_kv[:, :, :, tokens] = h.tail.to(kv.host_kv)
+    seq.working_set = WorkingSet(h.head_map.clone(), h.ages + stamp(kv.step), list(h.seeded),
+                                 list(h.primed))
+    kv.load_slab(seq, h.num_computed_tokens)
+    return read

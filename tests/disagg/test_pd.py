@@ -1,0 +1,126 @@
+"""Prefill-decode disaggregation: a decode worker continuing hand-overs gives the tokens of a
+single engine, reads exactly the union of the first step's working sets at admission (partial
+transfer), keeps its host budget, and, over Mooncake with the prefill worker in its own
+process, fails only the requests that need a dead prefill host's blocks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from conftest import needs_mooncake
+from test_host_cache import GREEDY, SPARSE, Recording, check_host_caches, prompts_of
+
+from oasiskv import LLM, SamplingParams
+from oasiskv.disagg.pd import DisaggregatedLLM
+
+B = 16
+
+
+def single_node(tiny_llama, prompts, params=GREEDY):
+    llm = LLM(str(tiny_llama), **SPARSE)
+    outs = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.close()
+    return outs
+
+
+@pytest.mark.parametrize("prefetch", ["sync", "async"])
+@pytest.mark.parametrize("transfer, f_host", [("partial", 1.0), ("partial", 0.25),
+                                              ("full", 1.0), ("full", 0.25)])
+def test_pd_gives_the_tokens_of_one_engine(tiny_llama, transfer, f_host, prefetch):
+    prompts = prompts_of([200, 170, 90, 250])
+    want = single_node(tiny_llama, prompts)
+    pd = DisaggregatedLLM(str(tiny_llama), transfer=transfer, decode={"f_host": f_host},
+                          prefetch=prefetch, **SPARSE)
+    got = pd.generate(prompts, GREEDY, use_tqdm=False,
+                      on_step=lambda engine: check_host_caches(engine, f_host))
+    assert [o.token_ids for o in got] == want
+    assert all(o.finish_reason == "length" for o in got)
+    assert len(pd.decode.sparse.remote.store) == 0  # finished requests left the store
+    pd.close()
+
+
+def test_partial_transfer_reads_exactly_the_union_of_the_first_working_sets(tiny_llama):
+    prompts = prompts_of([240, 200, 120], seed=1)
+    admitted = {}
+    for transfer in ("partial", "full"):
+        pd = DisaggregatedLLM(str(tiny_llama), transfer=transfer, **SPARSE)
+        store = pd.decode.sparse.remote.store = Recording(pd.decode.sparse.remote.store)
+        reads = []  # (namespace, keys) of each admission's read, in order
+        original = pd.decode.sparse.remote.receive
+
+        def receive(seq, namespace, blocks, keep, original=original, store=store, reads=reads):
+            before = len(store.gets)
+            out = original(seq, namespace, blocks, keep)
+            reads.append((namespace, [k for keys in store.gets[before:] for k in keys]))
+            return out
+
+        pd.decode.sparse.remote.receive = receive
+        outs = pd.generate(prompts, GREEDY, use_tqdm=False)
+        assert all(o.finish_reason == "length" for o in outs)
+        handoffs = {h.namespace: h for h in pd.handoffs.values()}
+        assert len(reads) == len(prompts)
+        for namespace, keys in reads:
+            h = handoffs[namespace]
+            P = h.num_prompt_tokens // B
+            read = {(k.layer, k.block) for k in keys}
+            if transfer == "partial":  # per layer: the prompt blocks its working set holds
+                union = {(layer, int(b)) for layer, m in enumerate(h.head_map)
+                         for b in m.flatten() if 0 <= b < P}
+                assert read == union and len(keys) == len(union)
+            else:
+                assert read == {(layer, b) for layer in range(len(h.kept)) for b in range(P)}
+        admitted[transfer] = pd.decode.stats()["sparse_handoff_bytes"]
+        assert admitted[transfer] == sum(h.admission_bytes for h in handoffs.values())
+        pd.close()
+    assert admitted["partial"] < admitted["full"]
+
+
+def test_refused_and_early_finished_requests_do_not_stop_the_others(tiny_llama):
+    prompts = prompts_of([200, 120], seed=2)
+    want = single_node(tiny_llama, prompts)
+    pd = DisaggregatedLLM(str(tiny_llama), **SPARSE)
+    short = SamplingParams(temperature=0, max_tokens=1)  # done on the prefill worker
+    outs = pd.generate(prompts + [[999999], prompts[1]], [GREEDY, GREEDY, GREEDY, short],
+                       use_tqdm=False)
+    assert [o.token_ids for o in outs[:2]] == want
+    assert outs[2].finish_reason == "error" and "outside the vocabulary" in outs[2].error
+    assert outs[3].finish_reason == "length" and outs[3].token_ids == want[1][:1]
+    pd.close()
+
+
+@needs_mooncake
+def test_pd_over_mooncake_in_two_processes(tiny_llama, master):
+    """The prefill worker in its own process lends the store its memory; the decode worker
+    lends none, so it reads every prompt block from the prefill host. Killing the prefill
+    worker mid-decode fails (within the store's deadline) the request that still needs its
+    blocks; the one whose working sets hold its whole prompt finishes."""
+    long, short = prompts_of([250, 40], seed=3)  # 40 tokens: 2 blocks, inside top_k=2
+    want = single_node(tiny_llama, [long, short])
+    pd = DisaggregatedLLM(str(tiny_llama), remote_store=f"mooncake://{master.address}",
+                          decode={"f_host": 0.25}, **SPARSE)
+    try:
+        got = pd.generate([long, short], GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in got] == want
+        assert pd.decode.stats()["remote_bytes"] > 0
+        killed = {}
+
+        def kill_after_a_few_steps(engine):
+            if not killed and engine.counters["decode_tokens"] >= 6:
+                os.kill(pd.prefill.pid, signal.SIGKILL)
+                killed["at"] = time.perf_counter()
+
+        params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+        got = pd.generate([long, short], params, use_tqdm=False,
+                          on_step=kill_after_a_few_steps)
+        assert killed
+        assert got[0].finish_reason == "error" and "remote tier" in got[0].error
+        assert got[0].metrics.finish_time - killed["at"] < 30  # bounded retries, no hang
+        assert got[1].finish_reason == "length" and got[1].error is None
+        assert len(got[1].token_ids) == 60
+        again = pd.decode.stats()  # the decode worker is still there, counting
+        assert again["requests_failed"] >= 1
+    finally:
+        pd.close()
