@@ -133,6 +133,13 @@ def _cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_pd(args: argparse.Namespace) -> int:
+    from oasiskv.bench.pd import run_pd_bench
+
+    run_pd_bench(args)
+    return 0
+
+
 def _cmd_bench_pipeline(args: argparse.Namespace) -> int:
     from oasiskv.bench.pipeline import run_pipeline_bench
 
@@ -252,6 +259,29 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--json", help="write the figures to this file")
     thr.add_argument("--plot", help="write TPS and running batch vs concurrency (PNG)")
     thr.set_defaults(func=_cmd_bench_throughput)
+
+    pd = bench.add_parser("pd", help="prefill-decode disaggregation: partial vs full "
+                          "transfer, per decode-host residency f_host")
+    pd.add_argument("--model", default="smollm2-135m")
+    pd.add_argument("--context", default="4096,7168", help="prompt lengths in tokens")
+    pd.add_argument("--requests", type=int, default=4, help="requests arriving at once")
+    pd.add_argument("--transfer", default="partial,full")
+    pd.add_argument("--f-host", default="0.2,1.0", help="decode-host residency ratios")
+    pd.add_argument("--output-len", type=int, default=32)
+    pd.add_argument("--top-k", type=int, default=32)
+    pd.add_argument("--f-hbm", default="0.05")
+    pd.add_argument("--device-kv-budget", default="1GiB")
+    pd.add_argument("--host-kv-budget", default="8GiB", help="per worker")
+    pd.add_argument("--remote-store", default=None,
+                    help="mooncake://HOST:PORT: the prefill worker in its own process over a "
+                    "Mooncake master there (default: both workers here, an in-process store)")
+    pd.add_argument("--kv-cache-dir", default=None,
+                    help="keep the prompts' computed K/V here and reuse it in later runs")
+    pd.add_argument("--dtype", default="float32")
+    pd.add_argument("--num-threads", type=int, default=None)
+    pd.add_argument("--json", help="write the figures to this file")
+    pd.add_argument("--plot", help="write the store-read bandwidth timeline (PNG)")
+    pd.set_defaults(func=_cmd_bench_pd)
 
     evals = sub.add_parser("eval", help="measuring tools").add_subparsers(dest="eval",
                                                                          required=True)

@@ -40,6 +40,7 @@ class HostCache:
     last_used: torch.Tensor  # [L, P] step when each prompt block was last predicted
     budget: int  # host blocks the request owns: C + its generated blocks
     peak: int = 0  # most prompt blocks resident in one layer, plus the generated blocks
+    fetched: int = 0  # blocks (one layer's each) read from the store during decode
     error: str | None = None  # a remote fetch failed: the engine fails the request
 
     @classmethod
@@ -95,6 +96,11 @@ class HostCache:
         held = (self.holder >= 0).sum(1)  # [L]
         held = held.max() if layer is None else held[layer]
         return int(held) + self.where.shape[1] - self.num_prompt
+
+    def layer_blocks(self) -> int:
+        """Blocks (one layer's each) on the host now, summed over layers."""
+        return int((self.holder >= 0).sum()) + self.where.numel() - self.where.shape[0] * (
+            self.num_prompt)
 
     def touch(self, layer: int, blocks: torch.Tensor, step: int) -> None:
         """Marks logical blocks (any, -2 padding allowed) as selected at `step`."""

@@ -175,6 +175,8 @@ class RemoteTier:
             out.permute(1, 2, 0, 3, 4).reshape(2, hkv, -1, d)
         result.blocks += len(keys)
         result.bytes += len(keys) * self.store.block_bytes
+        for w in plan:
+            w.cache.fetched += len(w.blocks)
         return []
 
     def remove(self, namespace: str) -> None:
