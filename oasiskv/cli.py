@@ -76,6 +76,56 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0 if out.finish_reason != "error" else 1
 
 
+def _cmd_pd(args: argparse.Namespace) -> int:
+    """Prefill and decode workers started here for a demo; prints the answer and what the
+    hand-over moved."""
+    import contextlib
+    import os
+
+    from oasiskv import SamplingParams
+    from oasiskv.disagg.mooncake import private_network, start_master
+    from oasiskv.disagg.pd import DisaggregatedLLM
+
+    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    if prompt is None:
+        raise ValueError("give --prompt TEXT or --prompt-file FILE")
+    kwargs = {"kv_mode": "sparse", **engine_kwargs(args)}
+    decode = {"f_host": kwargs.pop("f_host", 1.0)}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    with contextlib.ExitStack() as stack:
+        if args.mooncake:  # a master of our own, its ports hidden in a private namespace
+            stack.enter_context(private_network())
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+            kwargs["remote_store"] = f"mooncake://{stack.enter_context(start_master()).address}"
+        pd = DisaggregatedLLM(transfer=args.transfer, decode=decode, **kwargs)
+        stack.callback(pd.close)
+        if args.chat:
+            tok = pd.decode.tokenizer
+            prompt = list(tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                                  add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+        out = pd.generate([prompt], params)[0]
+        stats = pd.decode.stats()
+        h = pd.handoffs.get(out.request_id)
+    print(out.text)
+    m = out.metrics
+    line = (f"[oasiskv pd] prompt {m.num_prompt_tokens} tok | generated "
+            f"{m.num_generated_tokens} tok ({out.finish_reason}) | TTFT {m.ttft or 0:.2f} s")
+    if h is not None:
+        full = h.num_prompt_blocks * len(h.kept) * h.block_bytes
+        line += (f"\n[oasiskv pd] {args.transfer} transfer: {h.kept_blocks} of "
+                 f"{h.num_prompt_blocks * len(h.kept)} prompt blocks (all layers), "
+                 f"{h.admission_bytes / _MiB:.1f} MiB at admission (the whole prompt: "
+                 f"{full / _MiB:.1f} MiB) | decode-time store reads "
+                 f"{stats['remote_bytes'] / _MiB:.1f} MiB | decode-host KV peak "
+                 f"{stats['host_cache_peak_blocks']} blocks per layer")
+    print(line, file=sys.stderr)
+    if out.error:
+        print(f"oasiskv: error: {out.error}", file=sys.stderr)
+    return 0 if out.finish_reason != "error" else 1
+
+
 _MiB = 2**20
 _STEP_COLUMNS = ("predicted", "hits", "wanted", "admitted", "h2d_bytes", "d2h_bytes")
 
@@ -205,6 +255,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print a table of every step (tokens, time; sparse: blocks, bytes)")
     add_engine_flags(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    pdp = sub.add_parser("pd", help="prefill and decode workers (partial KV transfer over a "
+                         "remote store) for one prompt")
+    pdp.add_argument("--prompt", help="prompt text")
+    pdp.add_argument("--prompt-file", help="file whose contents are the prompt")
+    pdp.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    pdp.add_argument("--max-tokens", type=int, default=128)
+    pdp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    pdp.add_argument("--sampling-seed", type=int, default=None)
+    pdp.add_argument("--ignore-eos", action="store_true")
+    pdp.add_argument("--transfer", default="partial", choices=["partial", "full"])
+    pdp.add_argument("--mooncake", action="store_true",
+                     help="start a Mooncake master here (private network namespace) and run "
+                     "the prefill worker in its own process over it")
+    add_engine_flags(pdp)
+    pdp.set_defaults(func=_cmd_pd)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
                                                                       required=True)

@@ -157,10 +157,13 @@ class DisaggregatedLLM:
         remote_store = remote_store or f"inprocess://pd-{uuid.uuid4().hex[:8]}"
         kwargs = {"kv_mode": "sparse", **kwargs, "model": model, "remote_store": remote_store}
         mooncake = remote_store.startswith("mooncake://")
-        prefill_config = EngineConfig.from_kwargs(**{**kwargs, **(prefill or {})})
+        # Mooncake: the prefill worker's lent memory holds its prompts until they are decoded
+        # (a 7K-token SmolLM2 prompt is 330 MiB in fp32); the decode worker lends none.
+        prefill_config = EngineConfig.from_kwargs(
+            **{**({"remote_lend": "4GiB"} if mooncake else {}), **kwargs, **(prefill or {})})
         self.transfer = transfer
         self.decode = LLMEngine(EngineConfig.from_kwargs(
-            **{**kwargs, **({"remote_lend": 0} if mooncake else {}), **(decode or {})}))
+            **{**kwargs, **({"remote_lend": "0"} if mooncake else {}), **(decode or {})}))
         self.prefill = ProcessPrefill(prefill_config) if mooncake else LocalPrefill(
             prefill_config)
         self.handoffs: dict[str, object] = {}  # request id -> its Handoff (for reports)

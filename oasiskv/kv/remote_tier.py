@@ -10,6 +10,7 @@ whose; an error naming none is narrowed down by fetching each request's blocks a
 from __future__ import annotations
 
 import hashlib
+import os
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -45,8 +46,13 @@ def open_store(spec: str, block_shape: tuple[int, int, int, int], dtype: torch.d
             raise ValueError(f"{spec} holds blocks {store.block_shape} {store.dtype}, this "
                              f"engine's are {tuple(block_shape)} {dtype}")
         return store
+    # Multi-machine: this host's address as peers reach it, and the transport (README).
+    env = os.environ
     return MooncakeStore(block_shape, dtype, spec.removeprefix("mooncake://"),
-                         segment_bytes=lend_bytes)
+                         segment_bytes=lend_bytes,
+                         local_hostname=env.get("OASISKV_MOONCAKE_HOSTNAME", "127.0.0.1"),
+                         protocol=env.get("OASISKV_MOONCAKE_PROTOCOL", "tcp"),
+                         rdma_devices=env.get("OASISKV_MOONCAKE_RDMA_DEVICES", ""))
 
 
 def namespace_for(engine_tag: str, request_id: str) -> str:

@@ -124,3 +124,20 @@ def test_pd_over_mooncake_in_two_processes(tiny_llama, master):
         assert again["requests_failed"] >= 1
     finally:
         pd.close()
+
+
+def test_pd_command_prints_the_answer_and_the_transfer(tiny_llama, capsys):
+    from oasiskv.cli import main
+
+    prompt = " ".join(["Elizabeth walked to the house"] * 12)
+    args = ["pd", "--model", str(tiny_llama), "--prompt", prompt, "--max-tokens", "12",
+            "--top-k", "2", "--f-host", "0.25", "--device-kv-budget", "16MiB",
+            "--host-kv-budget", "16MiB"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    want = LLM(str(tiny_llama), kv_mode="sparse", top_k=2).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].text
+    assert out.strip() == want.strip()
+    assert "partial transfer" in err and "prompt blocks (all layers)" in err
+    assert main(args[:-4] + ["--prompt", "x" * 5000]) == 1  # too long: a clear error
+    assert "model context is" in capsys.readouterr().err

@@ -1,0 +1,42 @@
+"""`oasiskv bench pd` on a tiny model: partial transfer admits fewer bytes than full, the
+blocks it sends are at most the working sets' (top_k x KV heads per layer), a small f_host
+holds less decode-host KV than keeping everything and reads the rest from the store, every
+setting gives the same greedy tokens, and the timeline plot is written."""
+
+import json
+
+from conftest import build_model_dir
+
+from oasiskv.cli import main
+
+
+def test_pd_bench_partial_vs_full(tmp_path, capsys):
+    model = build_model_dir(tmp_path / "m", num_hidden_layers=2, max_position_embeddings=1024)
+    out, png = tmp_path / "pd.json", tmp_path / "pd.png"
+    assert main(["bench", "pd", "--model", str(model), "--context", "400", "--requests", "3",
+                 "--top-k", "2", "--f-hbm", "0.5", "--output-len", "12",
+                 "--device-kv-budget", "16MiB", "--host-kv-budget", "16MiB",
+                 "--json", str(out), "--plot", str(png)]) == 0
+    printed = capsys.readouterr().out
+    assert "admission MB" in printed and "per setting" in printed
+    data = json.loads(out.read_text())
+    assert all(r["finish"] == "length" for r in data["rows"])
+    settings = {(s["transfer"], s["f_host"]): s for s in data["settings"]}
+    assert set(settings) == {(t, f) for t in ("partial", "full") for f in (0.2, 1.0)}
+    assert all(s["agreement"] == 1.0 for s in settings.values())
+    full, partial = settings[("full", 1.0)], settings[("partial", 0.2)]
+    assert full["admission_x"] == 1.0 and partial["admission_x"] > 1.5
+    blocks = 400 // 16  # complete prompt blocks, in each of 2 layers
+    for r in data["rows"]:
+        if r["transfer"] == "full":
+            assert r["kept_blocks"] == 2 * blocks
+        else:
+            assert 2 * 2 <= r["kept_blocks"] <= 2 * 2 * 2  # layers x top_k (x KV heads)
+    assert full["remote_mb"] == 0 and partial["remote_mb"] > 0  # evicted blocks come back
+    assert partial["host_x"] > 1.5 and full["host_x"] == 1.0
+    assert png.stat().st_size > 0
+
+
+def test_pd_bench_refuses_an_unknown_transfer(capsys):
+    assert main(["bench", "pd", "--model", "x", "--transfer", "partial,some"]) == 2
+    assert "--transfer takes partial, full; got some" in capsys.readouterr().err
