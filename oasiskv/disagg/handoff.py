@@ -82,13 +82,11 @@ def take_handoff(kv: SparseKV, seq: Sequence, transfer: str) -> Handoff:
     P, n_full = seq.num_prompt_tokens // B, seq.num_computed_tokens // B
     ws = seq.working_set
     ids = torch.tensor(seq.summary_ids[:n_full], dtype=torch.long)
-    # complete generated blocks from the host; the active block's tokens only the slab has
-    blocks = torch.tensor([kv.host_block(seq, b) for b in range(P, n_full)], dtype=torch.long)
-    tokens = (blocks[:, None] * B + torch.arange(B)).flatten()
-    active = seq.block_table[kv.cfg.top_k] * B
-    tail = torch.cat([kv.host_kv[:, :, :, tokens], kv.device_kv[
-        :, :, :, active:active + seq.num_computed_tokens - n_full * B].to(kv.host_kv.device)],
-        dim=3)  # [L, 2, Hkv, T, d]
+    # K/V after the last complete prompt block: on the host (fills and write-through)
+    blocks = torch.tensor([kv.host_block(seq, b) for b in range(P, n_full + 1)],
+                          dtype=torch.long)
+    tokens = (blocks[:, None] * B + torch.arange(B)).flatten()[:seq.num_computed_tokens - P * B]
+    tail = kv.host_kv[:, :, :, tokens]  # [L, 2, Hkv, T, d]
     if transfer == "partial":  # each layer's working-set blocks from the prompt
         kept = [m[(m >= 0) & (m < P)].unique() for m in ws.head_map]
     else:

@@ -213,7 +213,8 @@ class DisaggregatedLLM:
                                             "the prefill worker died before handing it over")
             if not progressed and isinstance(self.prefill, ProcessPrefill):
                 time.sleep(0.005)  # the prefill worker is busy in its own process
-            bar.update(len(outs) - bar.n)
+            if len(outs) > bar.n:
+                bar.update(len(outs) - bar.n)
         bar.close()
         return [outs[rid] for rid in ids]
 

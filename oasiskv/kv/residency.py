@@ -247,6 +247,7 @@ class SparseKV:
         get their summary, and enter every head's working set (one job per layer)."""
         B = self.cfg.block_size
         self._trace_layer(self.device_kv.shape[0] - 1)
+        self._write_through([d for d in self._decodes if (d.pos + 1) % B])
         for d in self._decodes:
             if (d.pos + 1) % B == 0:
                 self._submit_fill(d, d.pos // B)
@@ -254,18 +255,38 @@ class SparseKV:
         self._decodes = []
         self._take_pending()
 
+    def _write_through(self, decodes: list[StepDecode]) -> None:
+        """The K/V of each decode's token (not completing a block: the fill moves that block
+        whole) goes from the active slot to the host too, so that a request whose working set
+        is dropped (a failed step or stage) reloads its active block from there intact."""
+        if not decodes:
+            return
+        K, B = self.cfg.top_k, self.cfg.block_size
+        src = torch.tensor([int(d.slab_tokens[K]) + d.pos % B for d in decodes])
+        dst = torch.tensor([self.host_block(d.seq, d.pos // B) * B + d.pos % B for d in decodes])
+        tokens = self.device_kv[:, :, :, src.to(self.device_kv.device)]  # [L, 2, Hkv, n, d]
+        self.host_kv[:, :, :, dst] = tokens.to(self.host_kv.device)
+        self._count(d2h_bytes=tokens.numel() * tokens.element_size())
+
     def commit_token(self, seq: Sequence, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """An accepted draft's K/V ([L, Hkv, d] each) joins the active block at `pos`; when it
-        completes the block, the block fills as after any decode step."""
+        """An accepted draft's K/V ([L, Hkv, d] each) joins the active block at `pos`, on the
+        host too; when it completes the block, the block fills as after any decode step."""
         K, B = self.cfg.top_k, self.cfg.block_size
         self.flush()  # the active slot may still be read by the step's fill jobs
-        if seq.working_set is None:
-            return  # its prefetch failed: it reloads from the host, where this K/V goes too
+        block = pos // B
+        host = self.host_block(seq, block) * B + pos % B
+        self.host_kv[:, 0, :, host] = k.to(self.host_kv.device)
+        self.host_kv[:, 1, :, host] = v.to(self.host_kv.device)
+        if seq.working_set is None:  # dropped: it reloads from the host at its next step
+            if (pos + 1) % B == 0:  # the block is complete there and needs its summary
+                keys = self.host_kv[:, 0, :, host + 1 - B:host + 1]  # [L, Hkv, B, d]
+                self._summarize(torch.tensor([seq.summary_ids[block]]), keys[:, :, None])
+            return
         slot = seq.block_table[K] * B + pos % B
         self.device_kv[:, 0, :, slot] = k
         self.device_kv[:, 1, :, slot] = v
         if (pos + 1) % B == 0:
-            self._submit_fill(self._decode(seq, None, pos), pos // B)
+            self._submit_fill(self._decode(seq, None, pos), block)
             self.flush()
 
     def _submit_fill(self, d: StepDecode, block: int) -> None:

@@ -214,10 +214,12 @@ def test_working_set_invariants_under_random_schedules(tiny_llama, lengths, top_
                    if s.num_computed_tokens == before[id(s)][0] + 1 == s.num_tokens - 1
                    and before[id(s)][0] >= s.num_prompt_tokens]
         # hand-computed bytes: each admission moves one head's K+V slice of one block; a first
-        # decode loads the active block's tokens; each filled block goes to the host whole
+        # decode loads the active block's tokens; each filled block goes to the host whole,
+        # any other decoded token alone (write-through)
         first_loads = sum(pos % 16 for _, pos, fresh, _ in decodes if fresh)
         assert step.h2d_bytes == step.admitted * head_block_bytes + first_loads * token_bytes
-        assert step.d2h_bytes == sum((pos + 1) % 16 == 0 for _, pos, _, _ in decodes) * fill_bytes
+        fills = sum((pos + 1) % 16 == 0 for _, pos, _, _ in decodes)
+        assert step.d2h_bytes == fills * fill_bytes + (len(decodes) - fills) * token_bytes
         seeded = [d for d in decodes if d[3]]
         if seeded and len(seeded) == len(decodes):
             assert step.admitted <= cap * cfg.num_kv_heads * cfg.num_layers * len(seeded)
@@ -307,3 +309,30 @@ def test_dense_small_device_budget_preempts_and_loses_nothing(tiny_llama):
     small = LLM(str(tiny_llama), device_kv_budget=12 * per_block, max_num_batched_tokens=32)
     assert [o.token_ids for o in run(small, prompts, params)] == [o.token_ids for o in want]
     assert small.stats()["preemptions"] > 0
+
+
+@pytest.mark.parametrize("speculative", ["off", "accept"])
+def test_a_reset_mid_block_reloads_the_generated_tokens_from_the_host(tiny_llama, speculative):
+    """A prefetch stage failing for one request fails its batch's step and drops the working
+    sets of all the batch's requests; the innocent ones reload their active block from the
+    host, which must hold the tokens they generated in it so far (and an accepted draft's). K
+    covers every block: the outputs must equal dense."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = prompts_of([40, 50, 70], 320, seed=6)
+    want = LLM(str(tiny_llama)).generate([prompts[0], prompts[2]], params, use_tqdm=False)
+    llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=16, max_num_seqs=3,
+              speculative=speculative)
+    e = llm.engine
+
+    def fault(layer, seqs):
+        if any(s.request_id == "bad" and s.num_output_tokens >= 7 for s in seqs):
+            raise OSError("injected fetch fault")
+
+    e.sparse.stage_hooks["select"] = fault
+    for rid, p in zip(["a", "bad", "c"], prompts, strict=True):
+        e.add_request(p, params, request_id=rid)
+    outs = {}
+    while e.has_unfinished():
+        outs.update({o.request_id: o for o in e.step() if o.finished})
+    assert outs["bad"].finish_reason == "error" and e.counters["step_failures"] >= 2
+    assert [outs["a"].token_ids, outs["c"].token_ids] == [o.token_ids for o in want]
