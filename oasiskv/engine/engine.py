@@ -69,7 +69,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
                          "requests_finished": 0, "requests_failed": 0, "step_failures": 0,
-                         "drafts": 0, "drafts_right": 0, "spec_accepted": 0}
+                         "drafts": 0, "drafts_right": 0, "spec_accepted": 0,
+                         "prefix_reused_tokens": 0}
         self.host_cache_peak = 0  # remote store: most host blocks a finished request held
         lookahead = config.cache.kv_mode == "sparse" and config.cache.predictor == "lookahead"
         self.speculative = config.spec.speculative == "accept"
@@ -215,6 +216,14 @@ class LLMEngine:
 
     def add_sequence(self, seq: Sequence) -> str:
         seq.metrics.num_prompt_tokens = seq.num_prompt_tokens
+        remote = self.sparse.remote if self.sparse is not None else None
+        if remote is not None and seq.num_computed_tokens == 0 and seq.handoff is None:
+            # prefix reuse: prompt blocks another request put to the store are not recomputed
+            kv = remote.reusable_prefix(seq.token_ids[:seq.num_prompt_tokens])
+            if kv is not None:
+                seq.prefix_kv, seq.num_computed_tokens = kv.to(self.runner.device_kv.dtype), (
+                    kv.shape[3])
+                self.counters["prefix_reused_tokens"] += kv.shape[3]
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id

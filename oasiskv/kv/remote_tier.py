@@ -66,6 +66,17 @@ def namespace_for(engine_tag: str, request_id: str) -> str:
     return namespace
 
 
+def prefix_hashes(tokens: list[int], block_size: int, num_blocks: int) -> list[str]:
+    """For b < num_blocks, a digest of tokens[:(b+1)*block_size]: equal exactly when two
+    prompts share their first b+1 blocks."""
+    running, out = hashlib.sha256(), []
+    for b in range(num_blocks):
+        chunk = tokens[b * block_size:(b + 1) * block_size]
+        running.update(torch.tensor(chunk, dtype=torch.int64).numpy().tobytes())
+        out.append(running.copy().hexdigest()[:32])
+    return out
+
+
 @dataclass
 class FetchResult:
     blocks: int = 0  # blocks read from the store
@@ -88,6 +99,9 @@ class RemoteTier:
     f_host: float
     working_set: int  # K * Hkv: most distinct blocks one layer's working sets can hold
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # this engine's namespaces
+    # prefix reuse: hash of a prompt's first b+1 blocks -> (namespace, b) of a stored copy
+    prefixes: dict[str, tuple[str, int]] = field(default_factory=dict)
+    _indexed: dict[str, list[str]] = field(default_factory=dict)  # namespace -> its hashes
     _arange: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -114,7 +128,41 @@ class RemoteTier:
             blocks = kv.unflatten(3, (P, B)).permute(0, 3, 1, 2, 4, 5)  # [L, P, 2, Hkv, B, d]
             keys = [BlockKey(namespace, layer, b) for layer in range(L) for b in range(P)]
             self.store.put_blocks(keys, blocks.reshape(L * P, *blocks.shape[2:]))
+            self._index(namespace, prefix_hashes(seq.token_ids, B, P))
         return HostCache.create(namespace, seq.host_table, L, P, self.capacity(P))
+
+    def _index(self, namespace: str, hashes: list[str]) -> None:
+        mine = [h for h in hashes if h not in self.prefixes]
+        self.prefixes.update((h, (namespace, hashes.index(h))) for h in mine)
+        self._indexed.setdefault(namespace, []).extend(mine)
+
+    def reusable_prefix(self, prompt: list[int]) -> torch.Tensor | None:
+        """K/V [L, 2, Hkv, m*B, d] of the longest run of complete blocks that starts the prompt
+        (leaving its last token) and that a request of this engine put to the store, read from
+        there; None when there is none, or when the read fails (the blocks left the store:
+        the prompt is computed as usual)."""
+        B, L = self.block_size, self.host_kv.shape[0]
+        found = []
+        for h in prefix_hashes(prompt, B, (len(prompt) - 1) // B):
+            if h not in self.prefixes:
+                break
+            found.append(self.prefixes[h])
+        if not found:
+            return None
+        keys = [BlockKey(ns, layer, b) for layer in range(L) for ns, b in found]
+        try:
+            out = self.store.get_blocks(keys)  # [L*m, 2, Hkv, B, d]
+        except RemoteStoreError:
+            for namespace in {ns for ns, _ in found}:
+                self._forget(namespace)
+            return None
+        m, (_, hkv, _, d) = len(found), out.shape[1:]
+        return out.view(L, m, 2, hkv, B, d).permute(0, 2, 3, 1, 4, 5).reshape(L, 2, hkv,
+                                                                           m * B, d)
+
+    def _forget(self, namespace: str) -> None:
+        for h in self._indexed.pop(namespace, []):
+            self.prefixes.pop(h, None)
 
     def receive(self, seq: Sequence, namespace: str, blocks: list[torch.Tensor],
                 keep: list[torch.Tensor]) -> tuple[HostCache, int]:
@@ -188,6 +236,7 @@ class RemoteTier:
     def remove(self, namespace: str) -> None:
         """Drops a finished request's blocks from the store (best effort: a store that is
         gone keeps nothing worth removing)."""
+        self._forget(namespace)
         try:
             self.store.remove(namespace)
         except RemoteStoreError:

@@ -318,3 +318,26 @@ def test_a_mooncake_store_gives_the_same_tokens(tiny_llama, master):
     stats = llm.stats()
     assert stats["remote_bytes"] > 0 and stats["host_evictions"] > 0
     llm.close()
+
+
+def test_a_shared_prefix_is_read_from_the_store_not_recomputed(tiny_llama):
+    shared = prompts_of([160], seed=9)[0]  # 10 complete blocks
+    prompts = [shared + tail for tail in prompts_of([30, 45], seed=10)]
+    ref = LLM(str(tiny_llama), **SPARSE)
+    want = [ref.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts]
+    llm = LLM(str(tiny_llama), remote_store="inprocess", f_host=0.25, **SPARSE)
+    e = llm.engine
+    e.add_request(prompts[0], GREEDY, request_id="first")
+    while e.requests["first"].host_cache is None:  # until its prompt is in the store
+        e.step()
+    e.add_request(prompts[1], GREEDY, request_id="second")
+    assert e.counters["prefix_reused_tokens"] == 160
+    outs = {}
+    while e.has_unfinished():
+        outs.update({o.request_id: o for o in e.step() if o.finished})
+    assert [outs["first"].token_ids, outs["second"].token_ids] == want
+    assert e.counters["prefill_tokens"] == len(prompts[0]) + len(prompts[1]) - 160
+    # the blocks left the store with their requests: a later prompt is computed in full
+    assert llm.generate([prompts[1]], GREEDY, use_tqdm=False)[0].token_ids == want[1]
+    assert e.counters["prefix_reused_tokens"] == 160
+    assert e.sparse.remote.prefixes == {}
