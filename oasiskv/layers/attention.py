@@ -39,7 +39,18 @@ class Attention(nn.Module):
             ctx.draft_kv[self.layer_idx] = (k, v)
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype,
                           device=q.device)
+        slabs: dict[tuple[int, int], list[SeqAttention]] = {}
+        for seq in ctx.seqs:  # sparse decodes: equal slabs, batched by their draft count
+            if seq.kv_valid is not None and seq.num_queries == 1 and seq.kv_start is not None:
+                slabs.setdefault((seq.kv_len, len(seq.draft_rows)), []).append(seq)
+        slabs = {key: group for key, group in slabs.items() if len(group) > 1}
+        for group in slabs.values():
+            rows = torch.tensor([[s.q_start, *s.draft_rows] for s in group], device=q.device)
+            out[rows.flatten()] = self._attend_slabs(q[rows], group, k[rows], v[rows])
+        batched = {id(s) for group in slabs.values() for s in group}
         for seq in ctx.seqs:
+            if id(seq) in batched:
+                continue
             rows = slice(seq.q_start, seq.q_end)
             if seq.draft_rows:
                 both = [seq.q_start, *seq.draft_rows]
@@ -86,6 +97,41 @@ class Attention(nn.Module):
         o = (torch.matmul(probs[..., :t].reshape(hkv, (1 + m) * g, t), v)
              + torch.matmul(probs[..., t:].reshape(hkv, (1 + m) * g, m), vd))  # [Hkv, (1+m)G, d]
         return o.view(hkv, 1 + m, g, -1).transpose(0, 1).reshape(1 + m, -1)
+
+    def _attend_slabs(self, q: torch.Tensor, seqs: list[SeqAttention], k_new: torch.Tensor,
+                      v_new: torch.Tensor) -> torch.Tensor:
+        """Sparse decodes with equal slabs (T slots, contiguous) and m drafts each, in one batch:
+        q/k_new/v_new [R, 1+m, heads, d] hold [normal, drafts...] rows -> [R*(1+m), H*d].
+        The same masks as `_attend_with_drafts`, without a Python loop over requests."""
+        R, n = q.shape[:2]
+        m, g, hkv, t = n - 1, self.group, self.num_kv_heads, seqs[0].kv_len
+        k_cache, v_cache = self.pools[seqs[0].pool]
+        starts = torch.tensor([s.kv_start for s in seqs], device=q.device)
+        slots = (starts[:, None] + torch.arange(t, device=q.device)).flatten()  # [R*T]
+        k = k_cache[:, slots].view(hkv, R, t, -1).transpose(0, 1)  # [R, Hkv, T, d]
+        v = v_cache[:, slots].view(hkv, R, t, -1).transpose(0, 1)
+        qg = q.view(R, n, hkv, g, -1).permute(0, 2, 1, 3, 4)  # [R, Hkv, 1+m, G, d]
+        scores = torch.matmul(qg.reshape(R, hkv, n * g, -1), k.transpose(2, 3))
+        scores = scores.view(R, hkv, n, g, t) * self.scale
+        valid = torch.stack([s.kv_valid for s in seqs])  # [R, Hkv, T]
+        scores[:, :, 0].masked_fill_(~valid[:, :, None, :], float("-inf"))
+        if m == 0:
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            o = torch.matmul(probs.view(R, hkv, g, t), v)  # [R, Hkv, G, d]
+            return o.reshape(R, -1)
+        draft_valid = torch.stack([s.draft_valid if s.draft_valid is not None else s.kv_valid
+                                   for s in seqs])
+        scores[:, :, 1:].masked_fill_(~draft_valid[:, :, None, None, :], float("-inf"))
+        kd, vd = k_new[:, 1:].transpose(1, 2), v_new[:, 1:].transpose(1, 2)  # [R, Hkv, m, d]
+        own = torch.full((R, hkv, n, g, m), float("-inf"), dtype=scores.dtype,
+                         device=scores.device)
+        diag = torch.einsum("rhmgd,rhmd->rhmg", qg[:, :, 1:], kd) * self.scale  # [R,Hkv,m,G]
+        idx = torch.arange(m, device=q.device)
+        own[:, :, 1 + idx, :, idx] = diag.permute(2, 0, 1, 3)  # draft i sees only itself
+        probs = torch.softmax(torch.cat([scores, own], dim=-1).float(), dim=-1).to(q.dtype)
+        o = (torch.matmul(probs[..., :t].reshape(R, hkv, n * g, t), v)
+             + torch.matmul(probs[..., t:].reshape(R, hkv, n * g, m), vd))  # [R, Hkv, nG, d]
+        return o.view(R, hkv, n, g, -1).permute(0, 2, 1, 3, 4).reshape(R * n, -1)
 
     def _attend(self, q: torch.Tensor, seq: SeqAttention, k_new: torch.Tensor,
                 v_new: torch.Tensor) -> torch.Tensor:
