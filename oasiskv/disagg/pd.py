@@ -35,8 +35,8 @@ class PrefillRequest:
     prefix_kv: torch.Tensor | None = None  # see LLMEngine.make_sequence
 
 
-def _failed(req: PrefillRequest, error: str) -> RequestOutput:
-    return RequestOutput(request_id=req.request_id, prompt=None, prompt_token_ids=[], text="",
+def _failed(request_id: str, error: str) -> RequestOutput:
+    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[], text="",
                          token_ids=[], finished=True, finish_reason="error",
                          metrics=RequestMetrics(time.perf_counter()), error=error)
 
@@ -53,7 +53,7 @@ class LocalPrefill:
             self.engine.add_request(req.prompt, req.params, req.request_id, req.prefix_kv,
                                     transfer=req.transfer)
         except ValueError as e:
-            return _failed(req, str(e))
+            return _failed(req.request_id, str(e))
         return None
 
     def poll(self) -> list[RequestOutput]:
@@ -119,7 +119,7 @@ class ProcessPrefill:
         try:
             self._conn.send(req)
         except OSError as e:  # the worker is gone
-            return _failed(req, f"prefill worker is gone: {e!r}")
+            return _failed(req.request_id, f"prefill worker is gone: {e!r}")
         return None
 
     def poll(self) -> list[RequestOutput]:
@@ -197,8 +197,7 @@ class DisaggregatedLLM:
                 try:
                     self.decode.add_handoff(out.handoff, by_id[out.request_id])
                 except ValueError as e:
-                    outs[out.request_id] = _failed(PrefillRequest(
-                        out.request_id, "", by_id[out.request_id], self.transfer), str(e))
+                    outs[out.request_id] = _failed(out.request_id, str(e))
             if self.decode.has_unfinished():
                 progressed = True
                 for out in self.decode.step():
@@ -209,8 +208,8 @@ class DisaggregatedLLM:
             if isinstance(self.prefill, ProcessPrefill) and not self.prefill.alive:
                 for rid in ids:  # whatever it had not handed over is lost with it
                     if rid not in outs and rid not in self.handoffs:
-                        outs[rid] = _failed(PrefillRequest(rid, "", by_id[rid], self.transfer),
-                                            "the prefill worker died before handing it over")
+                        outs[rid] = _failed(rid, "the prefill worker died before handing it "
+                                            "over")
             if not progressed and isinstance(self.prefill, ProcessPrefill):
                 time.sleep(0.005)  # the prefill worker is busy in its own process
             if len(outs) > bar.n:

@@ -354,7 +354,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self._advance(seq, token, accepted, drafts[id(seq)], done,
                               draft_features.get(id(seq)))
-        self._hand_over(batch)
+        self._store_prompts(batch)
         self._hand_off(seqs)
         return [self._output(seq)
                 for seq in seqs + [f for f in failed if all(f is not s for s in seqs)]]
@@ -397,7 +397,7 @@ class LLMEngine:
             self._finish(seq, "error", error=seq.host_cache.error)
         return failed
 
-    def _hand_over(self, batch: ScheduledBatch) -> None:
+    def _store_prompts(self, batch: ScheduledBatch) -> None:
         """Remote store: a request whose prefill this step completed puts its complete prompt
         blocks to the store and keeps a bounded host cache (after the step, so a failed step
         is redone on the whole host history). A failing put fails only that request."""
@@ -408,7 +408,7 @@ class LLMEngine:
                     or seq.num_computed_tokens < seq.num_prompt_tokens):
                 continue
             try:
-                self.sparse.hand_over(seq)
+                self.sparse.store_prompt(seq)
             except RemoteStoreError as e:
                 log.error("request %s failed: %r", seq.request_id, e)
                 # whatever part of the prompt got there
@@ -530,10 +530,10 @@ class LLMEngine:
             # its prefetch and fill jobs for the next step may still write its host blocks,
             # which the next request may get: they finish first
             self.sparse.flush()
-        if seq.host_cache is not None:  # its blocks leave the store with it (handed over:
-            self.host_cache_peak = max(self.host_cache_peak, seq.host_cache.peak)  # later)
-            if reason != "handoff":
-                self.sparse.remote.remove(seq.host_cache.namespace)
+        if seq.host_cache is not None:
+            self.host_cache_peak = max(self.host_cache_peak, seq.host_cache.peak)
+            if reason != "handoff":  # its blocks leave the store with it (handed over: they
+                self.sparse.remote.remove(seq.host_cache.namespace)  # go with the decoder)
         self.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
         if self.drafter is not None:

@@ -116,7 +116,7 @@ class RemoteTier:
     def _tokens(self, slots: torch.Tensor) -> torch.Tensor:
         return (slots[:, None] * self.block_size + self._arange).flatten()
 
-    def hand_over(self, seq: Sequence) -> HostCache:
+    def put_prompt(self, seq: Sequence) -> HostCache:
         """Puts the request's complete prompt blocks (all layers) to the store and returns its
         host cache; the caller frees the host blocks the cache does not own. Raises
         RemoteStoreError when the put fails."""

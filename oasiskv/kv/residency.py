@@ -314,12 +314,12 @@ class SparseKV:
 
     # ---- prefill ----------------------------------------------------------------------------
 
-    def hand_over(self, seq: Sequence) -> None:
+    def store_prompt(self, seq: Sequence) -> None:
         """Remote store, after the request's prefill: its complete prompt blocks go to the
         store and a bounded host cache takes over (the allocator frees the other blocks).
         Raises RemoteStoreError when the put fails."""
         before = self.remote.store.bytes_put
-        seq.host_cache = self.remote.hand_over(seq)
+        seq.host_cache = self.remote.put_prompt(seq)
         self._count(remote_put_bytes=self.remote.store.bytes_put - before)
 
     def summarize_prefill(self, seq: Sequence, start: int, end: int) -> None:

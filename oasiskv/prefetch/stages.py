@@ -109,7 +109,7 @@ class SelectJob:
         for r, cache in enumerate(self.caches):
             if cache is None:
                 raise RuntimeError(f"request {self.picks[r][0].seq.request_id} decodes "
-                                   "without a host cache (its prompt was never handed over)")
+                                   "without a host cache (its prompt never went to the store)")
             wants.append((cache, self.working_sets[r].head_map[layer].flatten(),
                           self.blocks[self.requests == r].unique()))
         got = kv.remote.fetch(layer, wants)
