@@ -318,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="keep the prompts' computed K/V here and reuse it in later runs "
                      "(default: a temporary directory)")
     thr.add_argument("--peer", default="",
-                     help="other engines on the same prompts: hf (transformers generate)")
+                     help="other engines on the same prompts: hf (transformers generate), llamacpp "
+                     "(llama.cpp on the same GGUF; pip install 'oasiskv[llamacpp]')")
     thr.add_argument("--predictor", default="lookahead")
     thr.add_argument("--dtype", default="float32")
     thr.add_argument("--num-threads", type=int, default=None)

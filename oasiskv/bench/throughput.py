@@ -34,9 +34,10 @@ from oasiskv.bench.common import (
     unique_prompts,
     write_json,
 )
-from oasiskv.bench.peers import hf_from_prefix, load_hf, parse_peers
+from oasiskv.bench.peers import LlamaCppPeer, hf_from_prefix, load_hf, parse_peers
 from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
+from oasiskv.models.registry import resolve_model
 from oasiskv.sampling_params import SamplingParams
 
 
@@ -93,7 +94,7 @@ def step_bytes(mode: str, running: float, context: int, kv_per_token: int, weigh
 
 COLUMNS = [("context", "context"), ("concurrency", "conc"), ("mode", "mode"), ("f_hbm", "f_hbm"),
            ("tps", "TPS"), ("tps_ratio", "TPS / dense"), ("vs_hf", "sparse/HF"),
-           ("tpot_ms", "TPOT ms"),
+           ("vs_llamacpp", "sparse/llama.cpp"), ("agreement", "agree"), ("tpot_ms", "TPOT ms"),
            ("ttft_s", "TTFT s"), ("running", "running"), ("preemptions", "preempt"),
            ("step_ms", "step ms"), ("roofline_ms", "roofline ms"),
            ("bytes_per_step", "fetch B/step"), ("hit_rate", "hit rate")]
@@ -130,7 +131,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     t_start = time.perf_counter()
     contexts, levels = parse_list(args.context), parse_list(args.concurrency)
     modes, f_hbms = parse_list(args.kv_mode, str), parse_list(args.f_hbm, str)
-    peers = parse_peers(args.peer)
+    peers = parse_peers(args.peer, args.model)
     base = {"model": args.model, "dtype": args.dtype, "device_kv_budget": args.device_kv_budget,
             "max_num_seqs": max(levels)}
     if args.num_threads:
@@ -149,12 +150,17 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     slab_tokens = (args.top_k + 1) * prefill.config.cache.block_size
     hf = load_hf(args.model, prefill.config.torch_dtype) if "hf" in peers else None
     bandwidth = read_bandwidth()
-    rows, prefill_s = [], {}
+    rows, prefill_s, peer_prefill_s = [], {}, {}
     with tempfile.TemporaryDirectory(prefix="oasiskv-bench-") as tmp:
         for context in contexts:
             prompts, source = unique_prompts(prefill.tokenizer, max(levels), context)
             files, prefill_s[context] = prefix_kv_files(
                 prefill, prompts, Path(args.kv_cache_dir or tmp), f"prefill {context}")
+            llamacpp = None
+            if "llamacpp" in peers:
+                llamacpp = LlamaCppPeer(resolve_model(args.model), prompts, args.output_len,
+                                        torch.get_num_threads())
+                peer_prefill_s[context] = llamacpp.prefill_s
             for c in levels:
                 level = []
                 for mode, kw in runs:  # alternate on the same prompts
@@ -164,6 +170,8 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                 if hf is not None:
                     level.append(hf_from_prefix(hf, prompts[:c], files[:c], args.output_len)
                                  | {"mode": "hf"})
+                if llamacpp is not None:
+                    level.append(llamacpp.generate(c, args.output_len) | {"mode": "llamacpp"})
                 by_mode = {r["mode"]: r for r in level}  # sparse: the first f_hbm
                 for r in level:
                     r.update(context=context, concurrency=c, text=source)
@@ -173,11 +181,14 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                     if "dense" in by_mode and r["mode"] != "dense":
                         r["tps_ratio"] = r["tps"] / by_mode["dense"]["tps"]
                         r["agreement"] = agreement(r["tokens"], by_mode["dense"]["tokens"])
-                    if "hf" in by_mode and r["mode"] == "sparse":
-                        r["vs_hf"] = r["tps"] / by_mode["hf"]["tps"]
+                    for peer in peers:
+                        if r["mode"] == "sparse":
+                            r[f"vs_{peer}"] = r["tps"] / by_mode[peer]["tps"]
                     print(f"{context} x{c} {r['mode']}: {r['tps']:.1f} tok/s, running "
                           f"{r['running']:.1f}", flush=True)
                 rows += [{k: v for k, v in r.items() if k != "tokens"} for r in level]
+            if llamacpp is not None:
+                llamacpp.close()
     elapsed = time.perf_counter() - t_start
     print(f"\n## throughput, {args.model}: device KV budget {args.device_kv_budget}, sparse "
           f"K={args.top_k} f_hbm={args.f_hbm} {args.predictor}, {args.output_len} greedy tokens "
@@ -193,11 +204,16 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
           f"{weights / 2**20:.0f} MiB + resident KV of the running batch) / read bandwidth. "
           f"predicted kept = share of the predicted top-K blocks resident after selection "
           f"(what the fetch cap leaves out). hf = transformers generate from the same prompt "
-          f"K/V, all requests in one batch (no device budget). {elapsed:.0f} s.")
+          f"K/V, all requests in one batch (no device budget). llamacpp = llama.cpp on the "
+          f"same GGUF (its quantized weights, f16 KV), all requests in one batch, after its "
+          f"own prefill of the same prompts"
+          f"{''.join(f', {k}: {v:.0f} s' for k, v in peer_prefill_s.items())}. "
+          f"agree = share of greedy tokens equal to dense's. {elapsed:.0f} s.")
     write_json(args.json, {"bench": "throughput", "model": args.model,
                            "device_kv_budget": args.device_kv_budget, "top_k": args.top_k,
                            "f_hbm": f_hbms, "output_len": args.output_len, "peers": peers,
                            "bandwidth": bandwidth, "prefill_s": prefill_s,
+                           "llamacpp_prefill_s": peer_prefill_s,
                            "threads": torch.get_num_threads(), "time_s": elapsed, "rows": rows})
     if args.plot:
         plot(rows, args.plot, f"{args.model}: dense vs sparse, budget {args.device_kv_budget}")
