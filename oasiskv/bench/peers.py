@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
 PEERS = ("hf", "llamacpp")
 LLAMACPP_INSTALL = ("--peer llamacpp needs llama-cpp-python, built from source by pip (minutes "
@@ -156,7 +157,7 @@ class LlamaCppPeer:
     def _prefill(self) -> float:
         """Every prompt but its last token (what our engines load as prompt K/V)."""
         t0 = time.perf_counter()
-        for seq, p in enumerate(self.prompts):
+        for seq, p in enumerate(tqdm(self.prompts, desc="llama.cpp prefill", unit="prompt")):
             for start in range(0, len(p) - 1, self.CHUNK):
                 chunk = p[start:min(start + self.CHUNK, len(p) - 1)]
                 self._decode([(t, start + i, seq, False) for i, t in enumerate(chunk)])

@@ -127,7 +127,7 @@ class ModelRunner:
     def read_kv(self, seq: Sequence, n: int) -> torch.Tensor:
         """K/V of a request's first n tokens, [L, 2, Hkv, n, d] (a copy)."""
         pool, table = self._kv_home(seq)
-        return pool[:, :, :, self._token_slots(table, 0, n).to(pool.device)]
+        return pool.index_select(3, self._token_slots(table, 0, n).to(pool.device))
 
     @torch.inference_mode()
     def commit_draft(self, seq: Sequence) -> None:

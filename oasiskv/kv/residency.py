@@ -388,11 +388,18 @@ class SparseKV:
                     for d, _ in picks:
                         d.seq.working_set = None
                     raise
-        for d in self._decodes:
-            resident = d.seq.working_set.head_map[layer] >= 0  # [K, Hkv]
-            active = torch.arange(B) <= d.pos % B
-            d.attn.kv_valid = torch.cat([resident.T.repeat_interleave(B, dim=1),
-                                         active.expand(resident.shape[1], B)], dim=1)
+        if not self._decodes:
+            return
+        # masks for the whole batch at once: slot k of head g is valid when it holds a block;
+        # the active block's tokens up to this step's position
+        resident = torch.stack([d.seq.working_set.head_map[layer] for d in self._decodes]) >= 0
+        R, K, hkv = resident.shape  # [R, K, Hkv]
+        filled = torch.tensor([d.pos % B for d in self._decodes])
+        active = torch.arange(B) <= filled[:, None]  # [R, B]
+        valid = torch.cat([resident.transpose(1, 2)[..., None].expand(R, hkv, K, B)
+                           .reshape(R, hkv, K * B), active[:, None].expand(R, hkv, B)], dim=2)
+        for d, mask in zip(self._decodes, valid, strict=True):
+            d.attn.kv_valid = mask  # [Hkv, (K+1)*B]
 
     def after_attention(self, layer: int, q: torch.Tensor) -> None:
         """After layer `layer`'s attention has read the slab: submits the prediction of the
@@ -400,16 +407,20 @@ class SparseKV:
         query) and their fetch to the pipeline, so the next step only attends."""
         if self.cfg.predictor == "exact" or not self._decodes:
             return
-        picks = []
-        for d in self._decodes:
-            ws = d.seq.working_set
-            if self.frozen and all(ws.seeded):
-                continue
-            rows = d.attn.draft_rows if self.cfg.predictor == "lookahead" else []
-            picks.append((d, (q[rows].mean(0) if rows else q[d.attn.q_start]).clone()))
-            ws.primed[layer] = True
-        if not picks:
+        decodes = [d for d in self._decodes
+                   if not (self.frozen and all(d.seq.working_set.seeded))]
+        if not decodes:
             return
+        # the predicting rows: lookahead, the drafts' (averaged); previous, the step's own
+        rows = [(d.attn.draft_rows if self.cfg.predictor == "lookahead" else []) or
+                [d.attn.q_start] for d in decodes]
+        if len({len(r) for r in rows}) == 1:  # one gather for the batch (a copy: jobs keep it)
+            queries = q[torch.tensor(rows, device=q.device)].mean(1)  # [R, H, d]
+        else:
+            queries = [q[r].mean(0) for r in rows]
+        picks = list(zip(decodes, queries, strict=True))
+        for d in decodes:
+            d.seq.working_set.primed[layer] = True
         job = SelectJob(self, layer, picks, self.step)
         self.pipeline.submit(layer, f"step {self.step}", [
             ("predict", job.predict), ("select", job.select), ("remote", job.remote),

@@ -20,25 +20,35 @@ def stamp(step: int, rank: torch.Tensor | int = 0) -> torch.Tensor | int:
     return step * RANKS + (RANKS - 1) - rank
 
 
+def summary_weights(q: torch.Tensor, num_kv_heads: int,
+                    alpha: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head weights (w_max, w_min) [..., Hkv, d] of a query q [..., H, d] such that a
+    block's score is kmax . w_max + kmin . w_min.
+
+    s_b = sum_h (q_h . c_b + alpha |q_h| . r_b) with c = (kmax + kmin) / 2, r = (kmax - kmin) / 2
+    is linear in kmax and kmin: w = (sum_h q_h +- alpha sum_h |q_h|) / 2; alpha = 1 gives
+    Quest's bound, sum_h relu(q_h) . kmax + min(q_h, 0) . kmin. The summary is shared by a KV
+    head's group, so the sum over h moves onto q."""
+    qg = q.reshape(*q.shape[:-2], num_kv_heads, -1, q.shape[-1]).float()  # [..., Hkv, G, d]
+    total, magnitude = qg.sum(-2), alpha * qg.abs().sum(-2)
+    return (total + magnitude) / 2, (total - magnitude) / 2
+
+
+def weighted_scores(kmin: torch.Tensor, kmax: torch.Tensor, w_max: torch.Tensor,
+                    w_min: torch.Tensor) -> torch.Tensor:
+    """kmin/kmax [..., n, Hkv, d], weights [..., Hkv, d] -> scores [..., Hkv, n]."""
+    # multiply-add + sum over d: on CPU several times faster than einsum or a gathered batch
+    w_max, w_min = w_max[..., None, :, :], w_min[..., None, :, :]
+    return torch.addcmul(kmax.float() * w_max, kmin.float(), w_min).sum(-1).transpose(-1, -2)
+
+
 def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                  alpha: float = 1.0) -> torch.Tensor:
     """s_b = sum_h (q_h . c_b + alpha |q_h| . r_b) over the query heads h of each KV head.
 
     q [..., H, d] (post-RoPE, one token per leading index); kmin/kmax [..., n, Hkv, d] ->
-    scores [..., Hkv, n]. The block summary is shared by a KV head's group, so the sum over h
-    moves onto q.
-    """
-    n, hkv, d = kmin.shape[-3:]
-    qg = q.reshape(*q.shape[:-2], hkv, -1, d).float()[..., None, :, :, :]  # [..., 1, Hkv, G, d]
-    kmin, kmax = kmin.float(), kmax.float()
-    # Broadcast multiply + sum over d: on CPU several times faster than einsum here.
-    if alpha == 1.0:  # Quest's bound: relu(q).kmax + min(q, 0).kmin
-        pos, neg = qg.clamp(min=0).sum(-2), qg.clamp(max=0).sum(-2)  # [..., 1, Hkv, d]
-        scores = (kmax * pos).sum(-1) + (kmin * neg).sum(-1)  # [..., n, Hkv]
-    else:
-        center, radius = (kmax + kmin) / 2, (kmax - kmin) / 2
-        scores = (center * qg.sum(-2)).sum(-1) + alpha * (radius * qg.abs().sum(-2)).sum(-1)
-    return scores.transpose(-1, -2)
+    scores [..., Hkv, n]."""
+    return weighted_scores(kmin, kmax, *summary_weights(q, kmin.shape[-2], alpha))
 
 
 def top_k_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from oasiskv.kv.select import block_scores, select_capped_lru_batch
+from oasiskv.kv.select import select_capped_lru_batch, summary_weights, weighted_scores
 
 if TYPE_CHECKING:
     from oasiskv.kv.residency import SparseKV, StepDecode
@@ -57,13 +57,15 @@ class SelectJob:
         self.lengths = torch.tensor([len(d.summary_ids) for d, _ in self.picks])
         n = self.ids.shape[1]
         scores = torch.full((len(self.picks), kmin.shape[1], n), float("-inf"))  # [R, Hkv, n]
-        for r, (d, query) in enumerate(self.picks):
+        w_max, w_min = summary_weights(torch.stack([q for _, q in self.picks]), kmin.shape[1],
+                                       kv.cfg.score_alpha)  # [R, Hkv, d]
+        for r, (d, _) in enumerate(self.picks):
             if d.summary_start is not None:  # one run of summaries: score a view, no gather
                 run = slice(d.summary_start, d.summary_start + len(d.summary_ids))
                 lo, hi = kmin[run], kmax[run]
             else:
-                lo, hi = kmin[d.summary_ids], kmax[d.summary_ids]
-            scores[r, :, :len(d.summary_ids)] = block_scores(query, lo, hi, kv.cfg.score_alpha)
+                lo, hi = kmin.index_select(0, d.summary_ids), kmax.index_select(0, d.summary_ids)
+            scores[r, :, :len(d.summary_ids)] = weighted_scores(lo, hi, w_max[r], w_min[r])
         scores.masked_fill_(pinned_blocks(self.lengths, n, kv.cfg.sink_blocks,
                                           kv.cfg.recent_blocks)[:, None, :], float("inf"))
         top = torch.topk(scores, min(K, n), dim=-1, sorted=True).indices  # [R, Hkv, k]
