@@ -5,12 +5,15 @@ llama.cpp.
 `DynamicCache`), so the peer skips the long prefill exactly as our modes do and the rows
 compare decoding only; its first step computes the last prompt token, as ours does.
 `LlamaCppPeer` runs the same GGUF in llama.cpp (llama-cpp-python's C API: quantized weights as
-stored, f16 KV): it prefills each prompt but its last token once, into its own sequence, and
-for each batch decodes those sequences together, then drops the generated tokens again.
+stored, f16 KV): it prefills each prompt but its last token once, into its own sequence (or
+loads the sequence state an earlier run saved beside our prompt K/V), and for each batch
+decodes those sequences together, then drops the generated tokens again.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -118,8 +121,8 @@ class LlamaCppPeer:
 
     CHUNK = 512  # tokens per llama_decode call while prefilling
 
-    def __init__(self, gguf: Path, prompts: list[list[int]], output_len: int,
-                 threads: int) -> None:
+    def __init__(self, gguf: Path, prompts: list[list[int]], output_len: int, threads: int,
+                 cache_dir: Path | None = None) -> None:
         import llama_cpp
 
         logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # no load chatter
@@ -141,6 +144,7 @@ class LlamaCppPeer:
             raise ValueError(f"llama.cpp could not make a context of {params.n_ctx} tokens")
         self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
+        self.gguf, self.cache_dir = gguf, cache_dir
         self.prefill_s = self._prefill()
 
     def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
@@ -155,13 +159,38 @@ class LlamaCppPeer:
             raise RuntimeError(f"llama_decode returned {rc}")
 
     def _prefill(self) -> float:
-        """Every prompt but its last token (what our engines load as prompt K/V)."""
-        t0 = time.perf_counter()
+        """Every prompt but its last token (what our engines load as prompt K/V), read from
+        llama.cpp's sequence state files in cache_dir when an earlier run saved them.
+        Returns the seconds spent computing."""
+        seconds = 0.0
         for seq, p in enumerate(tqdm(self.prompts, desc="llama.cpp prefill", unit="prompt")):
+            prefix = (self.lib.llama_token * (len(p) - 1))(*p[:-1])
+            state = None
+            if self.cache_dir is not None:
+                key = hashlib.sha256(f"{self.gguf.resolve()}|llama.cpp|".encode()
+                                     + np.array(p[:-1], dtype=np.int32).tobytes())
+                state = self.cache_dir / f"llamacpp-{key.hexdigest()[:32]}.state"
+                if state.exists() and self._load_state(state, seq, len(prefix)):
+                    continue
+            t0 = time.perf_counter()
             for start in range(0, len(p) - 1, self.CHUNK):
                 chunk = p[start:min(start + self.CHUNK, len(p) - 1)]
                 self._decode([(t, start + i, seq, False) for i, t in enumerate(chunk)])
-        return time.perf_counter() - t0
+            seconds += time.perf_counter() - t0
+            if state is not None:
+                self.lib.llama_state_seq_save_file(self.ctx, str(state).encode(), seq, prefix,
+                                                   len(prefix))
+        return seconds
+
+    def _load_state(self, path: Path, seq: int, n: int) -> bool:
+        """A saved prefix into sequence `seq`; False (and nothing loaded) when it does not fit."""
+        tokens, count = (self.lib.llama_token * n)(), ctypes.c_size_t(0)
+        read = self.lib.llama_state_seq_load_file(self.ctx, str(path).encode(), seq, tokens, n,
+                                                  ctypes.byref(count))
+        if read and count.value == n:
+            return True
+        self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(self.ctx), seq, -1, -1)
+        return False
 
     def generate(self, count: int, output_len: int) -> dict:
         """Greedy decode of output_len tokens for the first `count` prompts in one batch per

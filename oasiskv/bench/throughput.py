@@ -159,7 +159,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
             llamacpp = None
             if "llamacpp" in peers:
                 llamacpp = LlamaCppPeer(resolve_model(args.model), prompts, args.output_len,
-                                        torch.get_num_threads())
+                                        torch.get_num_threads(), Path(args.kv_cache_dir or tmp))
                 peer_prefill_s[context] = llamacpp.prefill_s
             for c in levels:
                 level = []
@@ -175,9 +175,12 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                 by_mode = {r["mode"]: r for r in level}  # sparse: the first f_hbm
                 for r in level:
                     r.update(context=context, concurrency=c, text=source)
+                    reads = (weights, kv_per_token)
+                    if r["mode"] == "llamacpp":  # its own: the GGUF's quantized weights, f16 KV
+                        reads = (resolve_model(args.model).stat().st_size,
+                                 kv_per_token * 2 // prefill.config.torch_dtype.itemsize)
                     r["roofline_ms"] = 1e3 * step_bytes(r["mode"], r["running"], context,
-                                                        kv_per_token, weights,
-                                                        slab_tokens) / bandwidth
+                                                        reads[1], reads[0], slab_tokens) / bandwidth
                     if "dense" in by_mode and r["mode"] != "dense":
                         r["tps_ratio"] = r["tps"] / by_mode["dense"]["tps"]
                         r["agreement"] = agreement(r["tokens"], by_mode["dense"]["tokens"])

@@ -21,20 +21,27 @@ needs_llamacpp = pytest.mark.skipif(
 
 
 @needs_llamacpp
-def test_llamacpp_decodes_like_our_engine():
+def test_llamacpp_decodes_like_our_engine(tmp_path):
     from oasiskv.bench.peers import LlamaCppPeer
 
     llm = LLM(model="smollm2-135m")
     prompts, _ = unique_prompts(llm.tokenizer, 3, 96)
-    peer = LlamaCppPeer(resolve_model("smollm2-135m"), prompts, 12, threads=2)
+    gguf = resolve_model("smollm2-135m")
+    peer = LlamaCppPeer(gguf, prompts, 12, threads=2, cache_dir=tmp_path)
     try:
         batch = peer.generate(3, 12)
         alone = peer.generate(1, 12)  # sequences 1, 2 idle; all three were reset
         again = peer.generate(3, 12)
     finally:
         peer.close()
-    assert batch["running"] == 3 and len(batch["tokens"]) == 3
+    assert batch["running"] == 3 and len(batch["tokens"]) == 3 and peer.prefill_s > 0
     assert alone["tokens"][0] == batch["tokens"][0] and again["tokens"] == batch["tokens"]
+    assert len(list(tmp_path.glob("llamacpp-*.state"))) == 3
+    cached = LlamaCppPeer(gguf, prompts, 12, threads=2, cache_dir=tmp_path)  # saved prefixes
+    try:
+        assert cached.prefill_s == 0 and cached.generate(3, 12)["tokens"] == batch["tokens"]
+    finally:
+        cached.close()
     ours = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                                                 logprobs=True))
     firsts = [t[0] for t in batch["tokens"]]
