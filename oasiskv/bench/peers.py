@@ -43,9 +43,9 @@ def parse_peers(text: str | None, model: str | None = None) -> list[str]:
         if model is not None:
             from oasiskv.models.registry import resolve_model
 
-            if resolve_model(model).suffix != ".gguf":
-                raise ValueError(f"--peer llamacpp runs GGUF models; {model} is "
-                                 f"{resolve_model(model)}")
+            path = resolve_model(model)
+            if path.suffix != ".gguf":
+                raise ValueError(f"--peer llamacpp runs GGUF models; {model} is {path}")
     return peers
 
 
@@ -217,7 +217,7 @@ class LlamaCppPeer:
         step_ms = 1e3 * (times[-1] - times[0]) / max(steps, 1)
         return {"tps": count * output_len / wall, "wall_s": wall, "tpot_ms": step_ms,
                 "ttft_s": times[0] - t0, "running": float(count), "step_ms": step_ms,
-                "preemptions": 0, "failed": 0, "prefill_s": self.prefill_s, "tokens": tokens}
+                "preemptions": 0, "failed": 0, "tokens": tokens}
 
     def close(self) -> None:
         if self.ctx:

@@ -149,17 +149,23 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     weights = sum(p.numel() * p.element_size() for p in prefill.model.parameters())
     slab_tokens = (args.top_k + 1) * prefill.config.cache.block_size
     hf = load_hf(args.model, prefill.config.torch_dtype) if "hf" in peers else None
+    # what a step reads per mode: (weights, KV per token); llama.cpp its own, the GGUF's
+    # quantized weights and f16 KV
+    gguf = resolve_model(args.model)
+    reads = {"llamacpp": (gguf.stat().st_size, kv_per_token * 2 //
+                          prefill.config.torch_dtype.itemsize)} if "llamacpp" in peers else {}
     bandwidth = read_bandwidth()
     rows, prefill_s, peer_prefill_s = [], {}, {}
     with tempfile.TemporaryDirectory(prefix="oasiskv-bench-") as tmp:
+        cache_dir = Path(args.kv_cache_dir or tmp)
         for context in contexts:
             prompts, source = unique_prompts(prefill.tokenizer, max(levels), context)
             files, prefill_s[context] = prefix_kv_files(
-                prefill, prompts, Path(args.kv_cache_dir or tmp), f"prefill {context}")
+                prefill, prompts, cache_dir, f"prefill {context}")
             llamacpp = None
             if "llamacpp" in peers:
-                llamacpp = LlamaCppPeer(resolve_model(args.model), prompts, args.output_len,
-                                        torch.get_num_threads(), Path(args.kv_cache_dir or tmp))
+                llamacpp = LlamaCppPeer(gguf, prompts, args.output_len,
+                                        torch.get_num_threads(), cache_dir)
                 peer_prefill_s[context] = llamacpp.prefill_s
             for c in levels:
                 level = []
@@ -175,17 +181,15 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                 by_mode = {r["mode"]: r for r in level}  # sparse: the first f_hbm
                 for r in level:
                     r.update(context=context, concurrency=c, text=source)
-                    reads = (weights, kv_per_token)
-                    if r["mode"] == "llamacpp":  # its own: the GGUF's quantized weights, f16 KV
-                        reads = (resolve_model(args.model).stat().st_size,
-                                 kv_per_token * 2 // prefill.config.torch_dtype.itemsize)
+                    mode_weights, mode_kv = reads.get(r["mode"], (weights, kv_per_token))
                     r["roofline_ms"] = 1e3 * step_bytes(r["mode"], r["running"], context,
-                                                        reads[1], reads[0], slab_tokens) / bandwidth
+                                                        mode_kv, mode_weights,
+                                                        slab_tokens) / bandwidth
                     if "dense" in by_mode and r["mode"] != "dense":
                         r["tps_ratio"] = r["tps"] / by_mode["dense"]["tps"]
                         r["agreement"] = agreement(r["tokens"], by_mode["dense"]["tokens"])
-                    for peer in peers:
-                        if r["mode"] == "sparse":
+                    if r["mode"] == "sparse":
+                        for peer in peers:
                             r[f"vs_{peer}"] = r["tps"] / by_mode[peer]["tps"]
                     print(f"{context} x{c} {r['mode']}: {r['tps']:.1f} tok/s, running "
                           f"{r['running']:.1f}", flush=True)
