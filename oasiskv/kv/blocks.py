@@ -48,6 +48,40 @@ class BlockPool:
             table.append(block)
         self.peak_used = max(self.peak_used, self.num_used)
 
+    def take_run(self, table: list[int], n: int) -> None:
+        """Appends `n` blocks for a sparse request's fixed-size share (its device slab, its
+        host history): the lowest free run of n blocks starting at a multiple of n, so that
+        equal requests sit side by side at one stride and a batch of them is one strided view
+        (else the lowest free run of n, else the lowest free blocks)."""
+        if n <= 0:
+            return
+        if n > self.num_free:
+            raise MemoryError(f"KV pool exhausted: need {n} blocks, {self.num_free} free")
+        starts, ends = self._free_runs()
+        aligned = -(-starts // n) * n
+        fits = np.flatnonzero(aligned + n <= ends)
+        if len(fits):
+            first = int(aligned[fits[0]])
+        else:
+            fits = np.flatnonzero(ends - starts >= n)
+            first = int(starts[fits[0]]) if len(fits) else -1
+        blocks = (list(range(first, first + n)) if first >= 0
+                  else np.flatnonzero(self.is_free)[:n].tolist())
+        self._take(table, blocks)
+
+    def take_top(self, table: list[int], n: int) -> None:
+        """Appends the `n` highest free blocks (sparse summaries: they stay out of the way of
+        the slabs, which fill the pool from the bottom)."""
+        if n > self.num_free:
+            raise MemoryError(f"KV pool exhausted: need {n} blocks, {self.num_free} free")
+        self._take(table, np.flatnonzero(self.is_free)[::-1][:n][::-1].tolist())
+
+    def _take(self, table: list[int], blocks: list[int]) -> None:
+        self.is_free[blocks] = False
+        self.num_free -= len(blocks)
+        table.extend(blocks)
+        self.peak_used = max(self.peak_used, self.num_used)
+
     def free(self, table: list[int]) -> None:
         if table:
             self.is_free[table] = True
@@ -60,10 +94,14 @@ class BlockPool:
         start, length = self._largest_free_run()
         return start if start == 0 or last is not None else start + length // 2
 
-    def _largest_free_run(self) -> tuple[int, int]:
+    def _free_runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Starts and ends (exclusive) of the runs of free blocks, lowest first."""
         padded = np.concatenate(([False], self.is_free, [False])).astype(np.int8)
         edges = np.flatnonzero(np.diff(padded))  # starts at even, ends at odd indices
-        starts, ends = edges[0::2], edges[1::2]
+        return edges[0::2], edges[1::2]
+
+    def _largest_free_run(self) -> tuple[int, int]:
+        starts, ends = self._free_runs()
         i = int(np.argmax(ends - starts))
         return int(starts[i]), int(ends[i] - starts[i])
 
@@ -131,9 +169,14 @@ class KVAllocator:
             self.device.grow(seq.block_table, num_tokens)
             return
         tokens = max(num_tokens, seq.max_context)
-        self.device.grow(seq.block_table, self.device_blocks_for(tokens) * self.device.block_size)
+        if not seq.block_table:
+            self.device.take_run(seq.block_table, self.slab_blocks)
+        self.device.take_top(seq.block_table,
+                             max(0, self.device_blocks_for(tokens) - len(seq.block_table)))
         if seq.host_cache is None:
             budget = seq.host_budget
+            if budget is None and not seq.host_table:  # its whole history, reserved at once
+                self.host.take_run(seq.host_table, self.host.blocks_for(tokens))
             self.host.grow(seq.host_table,
                            tokens if budget is None else budget * self.host.block_size)
         if self.summaries is not None:

@@ -45,6 +45,7 @@ class Attention(nn.Module):
                 slabs.setdefault((seq.kv_len, len(seq.draft_rows)), []).append(seq)
         slabs = {key: group for key, group in slabs.items() if len(group) > 1}
         for group in slabs.values():
+            group.sort(key=lambda s: s.kv_start)
             rows = torch.tensor([[s.q_start, *s.draft_rows] for s in group], device=q.device)
             out[rows.flatten()] = self._attend_slabs(q[rows], group, k[rows], v[rows])
         batched = {id(s) for group in slabs.values() for s in group}
@@ -101,37 +102,46 @@ class Attention(nn.Module):
     def _attend_slabs(self, q: torch.Tensor, seqs: list[SeqAttention], k_new: torch.Tensor,
                       v_new: torch.Tensor) -> torch.Tensor:
         """Sparse decodes with equal slabs (T slots, contiguous) and m drafts each, in one batch:
-        q/k_new/v_new [R, 1+m, heads, d] hold [normal, drafts...] rows -> [R*(1+m), H*d].
-        The same masks as `_attend_with_drafts`, without a Python loop over requests."""
+        q/k_new/v_new [R, 1+m, heads, d] hold [normal, drafts...] rows of `seqs` (sorted by
+        slab) -> [R*(1+m), H*d]. The same masks as `_attend_with_drafts`, without a Python loop
+        over requests. When the slabs sit side by side in the pool (the allocator puts them so),
+        the batched matmuls read them in place, with no copy of the working sets."""
         R, n = q.shape[:2]
-        m, g, hkv, t = n - 1, self.group, self.num_kv_heads, seqs[0].kv_len
+        m, g, hkv, t, d = n - 1, self.group, self.num_kv_heads, seqs[0].kv_len, self.head_dim
         k_cache, v_cache = self.pools[seqs[0].pool]
-        # stacking the slabs' views copies whole runs (3x faster here than an index gather)
-        # and leaves the batch contiguous for the matmuls
-        k = torch.stack([k_cache[:, s.kv_start:s.kv_start + t] for s in seqs])  # [R, Hkv, T, d]
-        v = torch.stack([v_cache[:, s.kv_start:s.kv_start + t] for s in seqs])
-        qg = q.view(R, n, hkv, g, -1).permute(0, 2, 1, 3, 4)  # [R, Hkv, 1+m, G, d]
-        scores = torch.matmul(qg.reshape(R, hkv, n * g, -1), k.transpose(2, 3))
-        scores = scores.view(R, hkv, n, g, t) * self.scale
-        valid = torch.stack([s.kv_valid for s in seqs])  # [R, Hkv, T]
+        first = seqs[0].kv_start
+        if all(s.kv_start == first + i * t for i, s in enumerate(seqs)):  # side by side: views
+            keys = k_cache[:, first:first + R * t].view(hkv, R, t, d)
+            values = v_cache[:, first:first + R * t].view(hkv, R, t, d)
+        else:  # stacking the slabs' views copies whole runs (3x faster than an index gather)
+            keys = torch.stack([k_cache[:, s.kv_start:s.kv_start + t] for s in seqs], 1)
+            values = torch.stack([v_cache[:, s.kv_start:s.kv_start + t] for s in seqs], 1)
+        qg = q.view(R, n, hkv, g, d).permute(2, 0, 1, 3, 4)  # [Hkv, R, 1+m, G, d]
+        qh = qg.reshape(hkv, R, n * g, d)
+        scores = q.new_empty(hkv, R, n * g, t)
+        for h in range(hkv):  # per KV head: [R, T, d] is one strided batch, read in place
+            torch.bmm(qh[h], keys[h].transpose(1, 2), out=scores[h])
+        scores = scores.view(hkv, R, n, g, t).mul_(self.scale)
+        valid = torch.stack([s.kv_valid for s in seqs], 1)  # [Hkv, R, T]
         scores[:, :, 0].masked_fill_(~valid[:, :, None, :], float("-inf"))
-        if m == 0:
-            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-            o = torch.matmul(probs.view(R, hkv, g, t), v)  # [R, Hkv, G, d]
-            return o.reshape(R, -1)
-        draft_valid = torch.stack([s.draft_valid if s.draft_valid is not None else s.kv_valid
-                                   for s in seqs])
-        scores[:, :, 1:].masked_fill_(~draft_valid[:, :, None, None, :], float("-inf"))
-        kd, vd = k_new[:, 1:].transpose(1, 2), v_new[:, 1:].transpose(1, 2)  # [R, Hkv, m, d]
-        own = torch.full((R, hkv, n, g, m), float("-inf"), dtype=scores.dtype,
-                         device=scores.device)
-        diag = torch.einsum("rhmgd,rhmd->rhmg", qg[:, :, 1:], kd) * self.scale  # [R,Hkv,m,G]
-        idx = torch.arange(m, device=q.device)
-        own[:, :, 1 + idx, :, idx] = diag.permute(2, 0, 1, 3)  # draft i sees only itself
-        probs = torch.softmax(torch.cat([scores, own], dim=-1).float(), dim=-1).to(q.dtype)
-        o = (torch.matmul(probs[..., :t].reshape(R, hkv, n * g, t), v)
-             + torch.matmul(probs[..., t:].reshape(R, hkv, n * g, m), vd))  # [R, Hkv, nG, d]
-        return o.view(R, hkv, n, g, -1).permute(0, 2, 1, 3, 4).reshape(R * n, -1)
+        if m > 0:
+            draft_valid = torch.stack([s.draft_valid if s.draft_valid is not None
+                                       else s.kv_valid for s in seqs], 1)
+            scores[:, :, 1:].masked_fill_(~draft_valid[:, :, None, None, :], float("-inf"))
+            kd = k_new[:, 1:].permute(2, 0, 1, 3)  # [Hkv, R, m, d]
+            own = torch.full((hkv, R, n, g, m), float("-inf"), dtype=scores.dtype,
+                             device=scores.device)
+            diag = torch.einsum("hrmgd,hrmd->hrmg", qg[:, :, 1:], kd) * self.scale
+            idx = torch.arange(m, device=q.device)
+            own[:, :, 1 + idx, :, idx] = diag.permute(2, 0, 1, 3)  # draft i sees only itself
+            scores = torch.cat([scores, own], dim=-1)
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(hkv, R, n * g, t + m)
+        out = q.new_empty(hkv, R, n * g, d)
+        for h in range(hkv):
+            torch.bmm(probs[h, :, :, :t], values[h], out=out[h])
+        if m > 0:
+            out += torch.matmul(probs[..., t:], v_new[:, 1:].permute(2, 0, 1, 3))
+        return out.view(hkv, R, n, g, d).permute(1, 2, 0, 3, 4).reshape(R * n, -1)
 
     def _attend(self, q: torch.Tensor, seq: SeqAttention, k_new: torch.Tensor,
                 v_new: torch.Tensor) -> torch.Tensor:

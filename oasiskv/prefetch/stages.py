@@ -56,21 +56,43 @@ class SelectJob:
                                 batch_first=True)  # [R, n]
         self.lengths = torch.tensor([len(d.summary_ids) for d, _ in self.picks])
         n = self.ids.shape[1]
-        scores = torch.full((len(self.picks), kmin.shape[1], n), float("-inf"))  # [R, Hkv, n]
         w_max, w_min = summary_weights(torch.stack([q for _, q in self.picks]), kmin.shape[1],
                                        kv.cfg.score_alpha)  # [R, Hkv, d]
-        for r, (d, _) in enumerate(self.picks):
-            if d.summary_start is not None:  # one run of summaries: score a view, no gather
-                run = slice(d.summary_start, d.summary_start + len(d.summary_ids))
-                lo, hi = kmin[run], kmax[run]
-            else:
-                lo, hi = kmin.index_select(0, d.summary_ids), kmax.index_select(0, d.summary_ids)
-            scores[r, :, :len(d.summary_ids)] = weighted_scores(lo, hi, w_max[r], w_min[r])
+        stride = self._summary_stride(n, kmin.shape[0])
+        if stride:  # equal strides: the batch's summaries are one view, scored in one call
+            first = self.picks[0][0].summary_start
+            shape, inner = (len(self.picks), n, *kmin.shape[1:]), kmin.stride(0)
+            lo, hi = (x.as_strided(shape, (stride * inner, *x.stride()),
+                                   x.storage_offset() + first * inner) for x in (kmin, kmax))
+            scores = weighted_scores(lo, hi, w_max, w_min)  # [R, Hkv, n]
+            past = torch.arange(n)[None, :] >= self.lengths[:, None]  # another request's
+            scores.masked_fill_(past[:, None, :], float("-inf"))
+        else:
+            scores = torch.full((len(self.picks), kmin.shape[1], n), float("-inf"))
+            for r, (d, _) in enumerate(self.picks):
+                if d.summary_start is not None:  # one run of summaries: a view, no gather
+                    run = slice(d.summary_start, d.summary_start + len(d.summary_ids))
+                    lo, hi = kmin[run], kmax[run]
+                else:
+                    lo = kmin.index_select(0, d.summary_ids)
+                    hi = kmax.index_select(0, d.summary_ids)
+                scores[r, :, :len(d.summary_ids)] = weighted_scores(lo, hi, w_max[r], w_min[r])
         scores.masked_fill_(pinned_blocks(self.lengths, n, kv.cfg.sink_blocks,
                                           kv.cfg.recent_blocks)[:, None, :], float("inf"))
         top = torch.topk(scores, min(K, n), dim=-1, sorted=True).indices  # [R, Hkv, k]
         real = torch.arange(top.shape[-1]) < self.lengths.clamp(max=K)[:, None]  # [R, k]
         self.predicted = top.masked_fill(~real[:, None, :], -2)
+
+    def _summary_stride(self, n: int, num_ids: int) -> int:
+        """The distance between consecutive requests' summary runs when it is one stride of
+        at least `n` (requests reserved side by side: `BlockPool.take_run`), else 0."""
+        starts = [d.summary_start for d, _ in self.picks]
+        if len(starts) < 2 or None in starts:
+            return 0
+        stride = starts[1] - starts[0]
+        ok = (stride >= n and starts[-1] + n <= num_ids
+              and all(s == starts[0] + i * stride for i, s in enumerate(starts)))
+        return stride if ok else 0
 
     def select(self) -> None:
         """Hits stay; up to the cap of misses replace LRU victims (head maps updated)."""

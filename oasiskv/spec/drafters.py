@@ -11,7 +11,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.spec.eagle import load_head
@@ -78,16 +80,16 @@ class NgramDrafter(Drafter):
 
     def propose(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
         guesses: list[int] = []
+        ids = np.asarray(tokens)  # vectorised: a Python scan of a long context costs ms
         for n in self.sizes:
-            if len(tokens) <= n:
+            if len(ids) <= n:
                 continue
-            suffix = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):  # latest match first
-                if tokens[start:start + n] == suffix:
-                    guesses.append(tokens[start + n])
-                    if len(set(guesses)) >= num:
-                        return _fill(guesses, tokens, num)
-                    break
+            # windows that start at 0 .. len-n-1: each has a token after it
+            matches = np.flatnonzero((sliding_window_view(ids[:-1], n) == ids[-n:]).all(1))
+            if len(matches):
+                guesses.append(int(ids[matches[-1] + n]))  # the latest match
+                if len(set(guesses)) >= num:
+                    return _fill(guesses, tokens, num)
         if draft_logits is not None:
             guesses += torch.topk(draft_logits, num).indices.tolist()
         return _fill(guesses, tokens, num)

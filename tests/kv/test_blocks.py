@@ -121,6 +121,38 @@ def test_fragmented_pool_still_allocates_every_block():
     assert pool.num_free == 0
 
 
+def test_sparse_slabs_sit_side_by_side_and_summaries_at_the_top():
+    pool = BlockPool(40, 16)
+    tables = [[] for _ in range(4)]
+    for t in tables:  # a slab of 5 blocks, then 3 summary blocks
+        pool.take_run(t, 5)
+        pool.take_top(t, 3)
+    assert [t[:5] for t in tables] == [list(range(s, s + 5)) for s in (0, 5, 10, 15)]
+    assert sorted(b for t in tables for b in t[5:]) == list(range(28, 40))
+    pool.free(tables[1])
+    again = []
+    pool.take_run(again, 5)  # the freed slab's place, side by side with its neighbours again
+    assert again == list(range(5, 10))
+    with pytest.raises(MemoryError, match="exhausted"):
+        pool.take_top(again, pool.num_free + 1)
+
+
+def test_slab_falls_back_to_any_run_then_to_any_blocks():
+    pool = BlockPool(12, 1)
+    singles = [[] for _ in range(12)]
+    for t in singles:
+        pool.grow(t, 1)
+    for t in singles:
+        if t[0] in (1, 2, 3, 4, 7, 9, 11):  # free: a run 1..4 (not at a multiple of 4), 7, 9, 11
+            pool.free(t)
+    slab = []
+    pool.take_run(slab, 4)
+    assert slab == [1, 2, 3, 4]
+    slab = []
+    pool.take_run(slab, 3)  # no run of 3 left: the lowest free blocks
+    assert slab == [7, 9, 11] and pool.num_free == 0
+
+
 def test_is_contiguous():
     assert is_contiguous([]) and is_contiguous([5]) and is_contiguous([3, 4, 5])
     assert not is_contiguous([3, 5]) and not is_contiguous([4, 3]) and not is_contiguous(

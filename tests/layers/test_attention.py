@@ -7,9 +7,13 @@ import torch
 from oasiskv.context import SeqAttention
 from oasiskv.layers.attention import Attention
 
+# slab starts: side by side (read in place), or three side by side and one apart (copied)
+LAYOUTS = {"side by side": [7, 27, 47, 67], "one apart": [7, 27, 47, 120]}
 
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("drafts", [0, 1, 2])
-def test_batched_slabs_equal_one_request_at_a_time(drafts):
+def test_batched_slabs_equal_one_request_at_a_time(drafts, layout):
     g = torch.Generator().manual_seed(drafts)
     hkv, group, d, t, R = 2, 3, 8, 20, 4
     attn = Attention(hkv * group, hkv, d, d ** -0.5)
@@ -23,7 +27,7 @@ def test_batched_slabs_equal_one_request_at_a_time(drafts):
     for r in range(R):
         valid = torch.rand(hkv, t, generator=g) > 0.3
         valid[:, 0] = True  # every head sees something
-        seq = SeqAttention(r, r + 1, t, 7 + 37 * r, None, kv_valid=valid,
+        seq = SeqAttention(r, r + 1, t, LAYOUTS[layout][r], None, kv_valid=valid,
                            draft_rows=list(range(drafts)))
         if r % 2 and drafts:
             seq.draft_valid = valid & (torch.rand(hkv, t, generator=g) > 0.5)
