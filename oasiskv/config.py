@@ -104,7 +104,8 @@ def _field(default: Any, help: str, **kw: Any) -> Any:
 
 
 KV_MODES = ("dense", "sparse")
-PREDICTORS = ("lookahead", "previous", "exact")
+PREDICTORS = ("lookahead", "previous", "exact", "oracle")
+CRITICAL_PATH = ("exact", "oracle")  # predictors that select for the step itself
 PREFETCH = ("async", "sync")
 DRAFTERS = ("self", "ngram", "resync", "model")
 _REMOTE = re.compile(r"mooncake://[^\s:/]+:[0-9]{1,5}|inprocess://[A-Za-z0-9_.-]+")
@@ -128,7 +129,8 @@ class CacheConfig:
     predictor: str = _field(
         "lookahead", "sparse: which query picks the blocks: lookahead (the draft token's, for "
         "the next step), previous (this step's, for the next), exact (this step's, for this "
-        "step: on the critical path)")
+        "step: on the critical path), oracle (the true top-K by this step's attention mass: "
+        "reads every key, an upper bound for evaluation, one node only)")
     sink_blocks: int = _field(
         0, "sparse: the first blocks of a request stay in every working set (attention sinks, "
         "as Quest/FreeKV keep sink tokens; the paper's OasisKV uses none); part of top_k")
@@ -202,6 +204,9 @@ class CacheConfig:
         if spec != "none" and self.kv_mode != "sparse":
             raise ValueError(f"remote_store={spec!r} needs kv_mode=sparse (the remote tier "
                              "sits under the sparse mode's host tier)")
+        if spec != "none" and self.predictor == "oracle":
+            raise ValueError("predictor=oracle reads every key of the host tier, which holds "
+                             f"only part of the history with remote_store={spec!r}")
         parse_bytes(self.remote_lend)
         if not 0 < self.f_host <= 1:
             raise ValueError(f"f_host must be in (0, 1], got {self.f_host}")

@@ -126,7 +126,8 @@ class LLMEngine:
             self.sparse = SparseKV(cache, device_kv, host_kv,
                                    torch.empty(summary, dtype=dtype, device=self.device),
                                    torch.empty(summary, dtype=dtype, device=self.device),
-                                   PrefetchPipeline(executor), remote=remote)
+                                   PrefetchPipeline(executor), remote=remote,
+                                   scales=[a.scale for a in self.model.attention_layers()])
             self.runner = ModelRunner(self.model, device_kv, block, host_kv, self.sparse)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
 

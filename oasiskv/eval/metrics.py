@@ -2,6 +2,10 @@
 
 import torch
 
+from oasiskv.kv.select import block_mass
+
+__all__ = ["block_mass", "captured_mass", "churn", "membership", "recall"]
+
 
 def membership(sets: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """[Hkv, k] block ids -> [Hkv, num_blocks] bool membership."""
@@ -20,17 +24,6 @@ def churn(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     n = int(max(new.max(), old.max())) + 1 if new.numel() else 1
     kept = membership(old, n).gather(1, new).sum(1).double()
     return (new.shape[1] - kept) / max(new.shape[1], 1)
-
-
-def block_mass(q: torch.Tensor, keys: torch.Tensor, scale: float,
-               block_size: int) -> torch.Tensor:
-    """Softmax attention of one token over complete blocks, summed per block: q [H, d],
-    keys [Hkv, n*B, d] -> [H, n] (each row sums to 1)."""
-    hkv, t, d = keys.shape
-    qg = q.view(hkv, -1, d).float()
-    probs = torch.softmax(torch.matmul(qg, keys.float().transpose(1, 2)) * scale, dim=-1)
-    return probs.view(hkv, qg.shape[1], t // block_size, block_size).sum(-1).reshape(q.shape[0],
-                                                                                     -1)
 
 
 def captured_mass(mass: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:

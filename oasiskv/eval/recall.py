@@ -19,7 +19,10 @@ processes x_t at position P = prompt + t and computes, per layer l and KV head g
 The predictions made at step t are scored at step t+1 against E_{t+1}:
 - recall |P ∩ E_{t+1}| / K per layer (mean over KV heads), averaged over layers, steps, prompts;
 - mass: the share of x_{t+1}'s true softmax attention over the complete blocks (mean over query
-  heads) that falls in P; the `exact` row gives the mass of E_{t+1} itself;
+  heads) that falls in P; the `exact` row gives the mass of E_{t+1} itself, the `oracle` row
+  that of the true top-K by x_{t+1}'s attention mass (the query heads of g summed: the
+  engine's `oracle` predictor), whose recall is its overlap with E_{t+1}: the gap between the
+  two rows is what the Quest bound costs, the rest of the missing mass is the budget K;
 - draft accuracy: the share of steps whose draft was x_{t+1};
 - churn (on the `exact` row): |E_{t+1} \\ E_t| / K, mean and p90 over (prompt, step, layer, KV
   head).
@@ -239,8 +242,12 @@ class RecallProbe:
             r = recall(pred, e).mean()
             totals.add(key, layer, r, captured_mass(mass, pred).mean())
             self.step_recall[key] = self.step_recall.get(key, 0.0) + float(r)
+        group_mass = mass.view(exact[self.kmax_k].shape[0], -1, n).sum(1)  # [Hkv, n]
         for k, e in exact.items():
             totals.add((k, "exact", ""), layer, 1.0, captured_mass(mass, e).mean())
+            ideal = top_k_blocks(group_mass, k)  # what the Quest bound misses
+            totals.add((k, "oracle", ""), layer, recall(ideal, e).mean(),
+                       captured_mass(mass, ideal).mean())
             totals.churn.setdefault(k, []).append(churn(e, self.last_exact[layer][k]))
 
 
@@ -433,7 +440,7 @@ def summarize_totals(totals: Totals, spec: RecallSpec) -> list[dict]:
     rows = []
     scored = totals.scored.clamp(min=1)
     for k in spec.top_ks:
-        keys = [(k, "exact", "")]
+        keys = [(k, "exact", ""), (k, "oracle", "")]
         keys += [(k, "previous", "")] if "previous" in spec.predictors else []
         keys += [(k, "lookahead", d) for d in spec.lookahead_drafters]
         for key in keys:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from oasiskv.config import CacheConfig
+from oasiskv.config import CRITICAL_PATH, CacheConfig
 from oasiskv.context import SeqAttention
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import is_contiguous
@@ -100,6 +100,7 @@ class SparseKV:
     forward_s: float = 0.0  # f_hbm=auto: moving estimate of a decode step's forward time
     frozen: bool = False  # benchmarks: no prefetch at all once seeded (working sets frozen)
     remote: RemoteTier | None = None  # the remote store under bounded host caches, if any
+    scales: list[float] = field(default_factory=list)  # per layer: attention scale (oracle)
     # stage name -> hook(layer, requests) run at the start of that stage (tests: delays, faults)
     stage_hooks: dict[str, Callable[[int, list[Sequence]], None]] = field(default_factory=dict)
     _decodes: list[StepDecode] = field(default_factory=list)
@@ -367,14 +368,15 @@ class SparseKV:
                         time.perf_counter())
 
     def prepare_layer(self, layer: int, q: torch.Tensor) -> None:
-        """Before layer `layer`'s attention. With the exact predictor (and on a request's first
-        decode step, when no earlier step chose its blocks) the step's own query q[row]
-        ([N, H, d]) selects here, on the critical path. Then sets each request's masks."""
+        """Before layer `layer`'s attention. With the exact or oracle predictor (and on a
+        request's first decode step, when no earlier step chose its blocks) the step's own
+        query q[row] ([N, H, d]) selects here, on the critical path. Then sets each request's
+        masks."""
         B = self.cfg.block_size
         picks = []
         for d in self._decodes:
             ws = d.seq.working_set
-            if self.cfg.predictor == "exact" or not ws.primed[layer]:
+            if self.cfg.predictor in CRITICAL_PATH or not ws.primed[layer]:
                 picks.append((d, q[d.attn.q_start]))
         if picks:  # on the critical path, with the stages' error reporting and trace spans
             job = SelectJob(self, layer, picks, self.step)
@@ -405,7 +407,7 @@ class SparseKV:
         """After layer `layer`'s attention has read the slab: submits the prediction of the
         next step's blocks (lookahead: the drafts' averaged query; previous: this step's
         query) and their fetch to the pipeline, so the next step only attends."""
-        if self.cfg.predictor == "exact" or not self._decodes:
+        if self.cfg.predictor in CRITICAL_PATH or not self._decodes:
             return
         decodes = [d for d in self._decodes
                    if not (self.frozen and all(d.seq.working_set.seeded))]

@@ -51,6 +51,18 @@ def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     return weighted_scores(kmin, kmax, *summary_weights(q, kmin.shape[-2], alpha))
 
 
+def block_mass(q: torch.Tensor, keys: torch.Tensor, scale: float,
+               block_size: int) -> torch.Tensor:
+    """Softmax attention of one token over complete blocks, summed per block (the oracle
+    predictor's scores, the recall tool's attention mass): q [H, d],
+    keys [Hkv, n*B, d] -> [H, n] (each row sums to 1)."""
+    hkv, t, d = keys.shape
+    qg = q.view(hkv, -1, d).float()
+    probs = torch.softmax(torch.matmul(qg, keys.float().transpose(1, 2)) * scale, dim=-1)
+    return probs.view(hkv, qg.shape[1], t // block_size, block_size).sum(-1).reshape(q.shape[0],
+                                                                                     -1)
+
+
 def top_k_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
     """[Hkv, n] -> [Hkv, min(k, n)] block indices, best first."""
     return torch.topk(scores, min(k, scores.shape[-1]), dim=-1, sorted=True).indices

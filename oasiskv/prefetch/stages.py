@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from oasiskv.kv.select import select_capped_lru_batch, summary_weights, weighted_scores
+from oasiskv.kv.select import block_mass, select_capped_lru_batch, summary_weights, weighted_scores
 
 if TYPE_CHECKING:
     from oasiskv.kv.residency import SparseKV, StepDecode
@@ -59,7 +59,9 @@ class SelectJob:
         w_max, w_min = summary_weights(torch.stack([q for _, q in self.picks]), kmin.shape[1],
                                        kv.cfg.score_alpha)  # [R, Hkv, d]
         stride = self._summary_stride(n, kmin.shape[0])
-        if stride:  # equal strides: the batch's summaries are one view, scored in one call
+        if kv.cfg.predictor == "oracle":
+            scores = self._attention_mass(n)
+        elif stride:  # equal strides: the batch's summaries are one view, scored in one call
             first = self.picks[0][0].summary_start
             shape, inner = (len(self.picks), n, *kmin.shape[1:]), kmin.stride(0)
             lo, hi = (x.as_strided(shape, (stride * inner, *x.stride()),
@@ -82,6 +84,20 @@ class SelectJob:
         top = torch.topk(scores, min(K, n), dim=-1, sorted=True).indices  # [R, Hkv, k]
         real = torch.arange(top.shape[-1]) < self.lengths.clamp(max=K)[:, None]  # [R, k]
         self.predicted = top.masked_fill(~real[:, None, :], -2)
+
+    def _attention_mass(self, n: int) -> torch.Tensor:
+        """oracle: each complete block's share of the step's true attention (over complete
+        blocks), summed over the KV head's query heads: [R, Hkv, n], -inf past a request's
+        blocks. Reads every key from the host tier (one node: a summary id is a host block)."""
+        kv, B = self.kv, self.kv.cfg.block_size
+        keys = kv.host_kv[self.layer][0]  # [Hkv, host slots, d]
+        hkv = keys.shape[0]
+        scores = torch.full((len(self.picks), hkv, n), float("-inf"))
+        for r, (d, q) in enumerate(self.picks):
+            slots = (d.summary_ids[:, None] * B + torch.arange(B)).flatten()
+            mass = block_mass(q, keys.index_select(1, slots), kv.scales[self.layer], B)
+            scores[r, :, :len(d.summary_ids)] = mass.view(hkv, -1, len(d.summary_ids)).sum(1)
+        return scores
 
     def _summary_stride(self, n: int, num_ids: int) -> int:
         """The distance between consecutive requests' summary runs when it is one stride of

@@ -3,6 +3,7 @@ and summaries are read as one strided view: tokens, selections and traffic equal
 same requests placed apart, each read on its own."""
 
 import pytest
+import torch
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.kv.blocks import BlockPool
@@ -56,3 +57,36 @@ def test_side_by_side_batch_equals_requests_placed_apart(tiny_llama, monkeypatch
     assert tokens == ref_tokens
     for key in COUNTERS:
         assert stats[key] == ref_stats[key], key
+
+
+def test_oracle_working_sets_are_the_true_top_k_by_attention_mass(tiny_llama, monkeypatch):
+    top_k, B = 3, 16
+    llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=top_k, f_hbm=1.0, prefetch="sync",
+              predictor="oracle", max_num_seqs=2)
+    sparse = llm.engine.sparse
+    prepare = type(sparse).prepare_layer
+    checked = []
+
+    def check(self, layer, q):
+        prepare(self, layer, q)  # selects for this step, on the critical path
+        for d in self._decodes:
+            n = d.pos // B  # complete blocks
+            slots = torch.tensor([b * B + i for b in d.seq.host_table[:n] for i in range(B)])
+            keys = self.host_kv[layer, 0][:, slots]  # [Hkv, n*B, d]
+            hkv = keys.shape[0]
+            qg = q[d.attn.q_start].view(hkv, -1, keys.shape[-1])  # [Hkv, G, d]
+            probs = torch.softmax(qg @ keys.transpose(1, 2) * self.scales[layer], dim=-1)
+            mass = probs.view(hkv, qg.shape[1], n, B).sum((1, 3))  # [Hkv, n]
+            want = mass.topk(min(top_k, n), dim=-1).indices
+            held = d.seq.working_set.head_map[layer]  # [K, Hkv]
+            # recorded, not asserted here: the engine turns an exception into a failed request
+            checked.append([sorted(b for b in held[:, g].tolist() if b >= 0)
+                            == sorted(want[g].tolist()) for g in range(hkv)] + [n])
+
+    monkeypatch.setattr(type(sparse), "prepare_layer", check)
+    prompts = [[(5 * i + 11 * j) % 250 + 3 for j in range(190 + 7 * i)] for i in range(2)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert all(all(c[:-1]) for c in checked)
+    assert max(c[-1] for c in checked) > top_k  # selection had a choice to make
