@@ -72,9 +72,12 @@ class BlockPool:
     def take_top(self, table: list[int], n: int) -> None:
         """Appends the `n` highest free blocks (sparse summaries: they stay out of the way of
         the slabs, which fill the pool from the bottom)."""
+        if n <= 0:
+            return
         if n > self.num_free:
             raise MemoryError(f"KV pool exhausted: need {n} blocks, {self.num_free} free")
-        self._take(table, np.flatnonzero(self.is_free)[::-1][:n][::-1].tolist())
+        free = np.flatnonzero(self.is_free)
+        self._take(table, free[len(free) - n:].tolist())
 
     def _take(self, table: list[int], blocks: list[int]) -> None:
         self.is_free[blocks] = False
@@ -172,7 +175,7 @@ class KVAllocator:
         if not seq.block_table:
             self.device.take_run(seq.block_table, self.slab_blocks)
         self.device.take_top(seq.block_table,
-                             max(0, self.device_blocks_for(tokens) - len(seq.block_table)))
+                             self.device_blocks_for(tokens) - len(seq.block_table))
         if seq.host_cache is None:
             budget = seq.host_budget
             if budget is None and not seq.host_table:  # its whole history, reserved at once

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from oasiskv.config import CRITICAL_PATH, CacheConfig
 from oasiskv.context import SeqAttention
@@ -104,6 +105,7 @@ class SparseKV:
     # stage name -> hook(layer, requests) run at the start of that stage (tests: delays, faults)
     stage_hooks: dict[str, Callable[[int, list[Sequence]], None]] = field(default_factory=dict)
     _decodes: list[StepDecode] = field(default_factory=list)
+    _batches: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = field(default_factory=dict)
     _pending: SparseCounters = field(default_factory=SparseCounters)  # jobs' counts
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -157,7 +159,7 @@ class SparseKV:
             self._reset([d.seq for d in self._decodes])
         self.step += 1
         self.last_step = SparseCounters()
-        self._decodes = []
+        self._decodes, self._batches = [], {}
         self._step_start, self._mark = time.perf_counter(), None
         for seq, attn in decodes:
             d = self._decode(seq, attn, seq.num_computed_tokens)
@@ -165,6 +167,18 @@ class SparseKV:
                 self.flush()  # the slab may be a finished request's, with jobs in flight
                 self._load(d)
             self._decodes.append(d)
+
+    def batch_tensors(self, decodes: list[StepDecode]) -> tuple[torch.Tensor, ...]:
+        """(summary ids [R, n] zero-padded, their counts [R], slab token slots [R, K+1]) of
+        some of this step's decodes: built once per step, since every layer's job reads the
+        same (foreground only: jobs get them at construction)."""
+        key = tuple(id(d) for d in decodes)
+        if key not in self._batches:
+            self._batches[key] = (
+                pad_sequence([d.summary_ids for d in decodes], batch_first=True),
+                torch.tensor([len(d.summary_ids) for d in decodes]),
+                torch.stack([d.slab_tokens for d in decodes]))
+        return self._batches[key]
 
     def _reset(self, seqs: list[Sequence]) -> None:
         """Drops the working sets of requests whose prefetch failed or whose step failed:

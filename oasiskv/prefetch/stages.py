@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from oasiskv.kv.select import block_mass, select_capped_lru_batch, summary_weights, weighted_scores
 
@@ -36,7 +35,10 @@ class SelectJob:
         self.picks = [(d, q) for d, q in picks if len(d.summary_ids)]
         self.working_sets = [d.seq.working_set for d, _ in self.picks]
         self.caches = [d.seq.host_cache for d, _ in self.picks]  # remote store: host caches
-        self.ids = self.lengths = self.predicted = None
+        self.ids = self.lengths = self.slabs = None  # [R, n], [R], [R, K+1]
+        if self.picks:
+            self.ids, self.lengths, self.slabs = kv.batch_tensors([d for d, _ in self.picks])
+        self.predicted = None
         self.requests = self.blocks = None  # [A] admissions: request, logical block
         self.heads = self.dst = self.src = None  # [A] KV head, device token slot, host slot
 
@@ -51,39 +53,42 @@ class SelectJob:
         if not self.picks:
             return
         kv, K = self.kv, self.kv.cfg.top_k
-        kmin, kmax = kv.kmin[self.layer], kv.kmax[self.layer]  # [summary ids, Hkv, d]
-        self.ids = pad_sequence([d.summary_ids for d, _ in self.picks],
-                                batch_first=True)  # [R, n]
-        self.lengths = torch.tensor([len(d.summary_ids) for d, _ in self.picks])
         n = self.ids.shape[1]
+        scores = (self._attention_mass(n) if kv.cfg.predictor == "oracle"
+                  else self._summary_scores(n))  # [R, Hkv, n]
+        if kv.cfg.sink_blocks or kv.cfg.recent_blocks:
+            scores.masked_fill_(pinned_blocks(self.lengths, n, kv.cfg.sink_blocks,
+                                              kv.cfg.recent_blocks)[:, None, :], float("inf"))
+        top = torch.topk(scores, min(K, n), dim=-1, sorted=True).indices  # [R, Hkv, k]
+        real = torch.arange(top.shape[-1]) < self.lengths.clamp(max=K)[:, None]  # [R, k]
+        self.predicted = top.masked_fill(~real[:, None, :], -2)
+
+    def _summary_scores(self, n: int) -> torch.Tensor:
+        """Each request's block scores over its complete blocks' summaries: [R, Hkv, n], -inf
+        past a request's blocks."""
+        kv = self.kv
+        kmin, kmax = kv.kmin[self.layer], kv.kmax[self.layer]  # [summary ids, Hkv, d]
         w_max, w_min = summary_weights(torch.stack([q for _, q in self.picks]), kmin.shape[1],
                                        kv.cfg.score_alpha)  # [R, Hkv, d]
         stride = self._summary_stride(n, kmin.shape[0])
-        if kv.cfg.predictor == "oracle":
-            scores = self._attention_mass(n)
-        elif stride:  # equal strides: the batch's summaries are one view, scored in one call
+        if stride:  # equal strides: the batch's summaries are one view, scored in one call
             first = self.picks[0][0].summary_start
             shape, inner = (len(self.picks), n, *kmin.shape[1:]), kmin.stride(0)
             lo, hi = (x.as_strided(shape, (stride * inner, *x.stride()),
                                    x.storage_offset() + first * inner) for x in (kmin, kmax))
-            scores = weighted_scores(lo, hi, w_max, w_min)  # [R, Hkv, n]
+            scores = weighted_scores(lo, hi, w_max, w_min)
             past = torch.arange(n)[None, :] >= self.lengths[:, None]  # another request's
-            scores.masked_fill_(past[:, None, :], float("-inf"))
-        else:
-            scores = torch.full((len(self.picks), kmin.shape[1], n), float("-inf"))
-            for r, (d, _) in enumerate(self.picks):
-                if d.summary_start is not None:  # one run of summaries: a view, no gather
-                    run = slice(d.summary_start, d.summary_start + len(d.summary_ids))
-                    lo, hi = kmin[run], kmax[run]
-                else:
-                    lo = kmin.index_select(0, d.summary_ids)
-                    hi = kmax.index_select(0, d.summary_ids)
-                scores[r, :, :len(d.summary_ids)] = weighted_scores(lo, hi, w_max[r], w_min[r])
-        scores.masked_fill_(pinned_blocks(self.lengths, n, kv.cfg.sink_blocks,
-                                          kv.cfg.recent_blocks)[:, None, :], float("inf"))
-        top = torch.topk(scores, min(K, n), dim=-1, sorted=True).indices  # [R, Hkv, k]
-        real = torch.arange(top.shape[-1]) < self.lengths.clamp(max=K)[:, None]  # [R, k]
-        self.predicted = top.masked_fill(~real[:, None, :], -2)
+            return scores.masked_fill_(past[:, None, :], float("-inf"))
+        scores = torch.full((len(self.picks), kmin.shape[1], n), float("-inf"))
+        for r, (d, _) in enumerate(self.picks):
+            if d.summary_start is not None:  # one run of summaries: a view, no gather
+                run = slice(d.summary_start, d.summary_start + len(d.summary_ids))
+                lo, hi = kmin[run], kmax[run]
+            else:
+                lo = kmin.index_select(0, d.summary_ids)
+                hi = kmax.index_select(0, d.summary_ids)
+            scores[r, :, :len(d.summary_ids)] = weighted_scores(lo, hi, w_max[r], w_min[r])
+        return scores
 
     def _attention_mass(self, n: int) -> torch.Tensor:
         """oracle: each complete block's share of the step's true attention (over complete
@@ -129,9 +134,8 @@ class SelectJob:
                 self.caches[i].touch(layer, self.predicted[i].flatten(), self.step)
         kv._count(predicted=int(sel.predicted.sum()), hits=int(sel.hits.sum()),
                   wanted=int(sel.wanted.sum()), admitted=len(sel.slots))
-        slab = torch.stack([d.slab_tokens for d, _ in self.picks])  # [R, K+1]
         self.requests, self.blocks, self.heads = sel.requests, sel.blocks, sel.heads
-        self.dst = slab[sel.requests, sel.slots]
+        self.dst = self.slabs[sel.requests, sel.slots]
 
     def remote(self) -> None:
         """Where each admission's block is on the host. One node: its host block is its
