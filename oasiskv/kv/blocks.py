@@ -39,8 +39,7 @@ class BlockPool:
     def grow(self, table: list[int], num_tokens: int) -> None:
         """Extend `table` in place so it covers `num_tokens` tokens."""
         need = self.blocks_for(num_tokens) - len(table)
-        if need > self.num_free:
-            raise MemoryError(f"KV pool exhausted: need {need} blocks, {self.num_free} free")
+        self._check_free(need)
         for _ in range(need):
             block = self._next_block(table[-1] if table else None)
             self.is_free[block] = False
@@ -55,8 +54,7 @@ class BlockPool:
         (else the lowest free run of n, else the lowest free blocks)."""
         if n <= 0:
             return
-        if n > self.num_free:
-            raise MemoryError(f"KV pool exhausted: need {n} blocks, {self.num_free} free")
+        self._check_free(n)
         starts, ends = self._free_runs()
         aligned = -(-starts // n) * n
         fits = np.flatnonzero(aligned + n <= ends)
@@ -74,10 +72,13 @@ class BlockPool:
         the slabs, which fill the pool from the bottom)."""
         if n <= 0:
             return
-        if n > self.num_free:
-            raise MemoryError(f"KV pool exhausted: need {n} blocks, {self.num_free} free")
+        self._check_free(n)
         free = np.flatnonzero(self.is_free)
         self._take(table, free[len(free) - n:].tolist())
+
+    def _check_free(self, n: int) -> None:
+        if n > self.num_free:
+            raise MemoryError(f"KV pool exhausted: need {n} blocks, {self.num_free} free")
 
     def _take(self, table: list[int], blocks: list[int]) -> None:
         self.is_free[blocks] = False
