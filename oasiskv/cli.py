@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from oasiskv.config import EngineConfig
+from oasiskv.disagg.handoff import TRANSFERS
 from oasiskv.spec.train import TrainSpec
 
 
@@ -265,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     pdp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     pdp.add_argument("--sampling-seed", type=int, default=None)
     pdp.add_argument("--ignore-eos", action="store_true")
-    pdp.add_argument("--transfer", default="partial", choices=["partial", "full"])
+    pdp.add_argument("--transfer", default="partial", choices=TRANSFERS,
+                     help="partial: the union of the first step's blocks; slab: its per-head "
+                     "slices (the slab); full: the whole prompt")
     pdp.add_argument("--mooncake", action="store_true",
                      help="start a Mooncake master here (private network namespace) and run "
                      "the prefill worker in its own process over it")
@@ -327,12 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--plot", help="write TPS and running batch vs concurrency (PNG)")
     thr.set_defaults(func=_cmd_bench_throughput)
 
-    pd = bench.add_parser("pd", help="prefill-decode disaggregation: partial vs full "
+    pd = bench.add_parser("pd", help="prefill-decode disaggregation: partial, slab and full "
                           "transfer, per decode-host residency f_host")
     pd.add_argument("--model", default="smollm2-135m")
     pd.add_argument("--context", default="4096,7168", help="prompt lengths in tokens")
     pd.add_argument("--requests", type=int, default=4, help="requests arriving at once")
-    pd.add_argument("--transfer", default="partial,full")
+    pd.add_argument("--transfer", default=",".join(TRANSFERS))
     pd.add_argument("--f-host", default="0.2,1.0", help="decode-host residency ratios")
     pd.add_argument("--output-len", type=int, default=32)
     pd.add_argument("--top-k", type=int, default=32)

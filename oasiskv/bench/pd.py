@@ -1,4 +1,5 @@
-"""`oasiskv bench pd`: prefill-decode disaggregation, partial vs full transfer, per f_host.
+"""`oasiskv bench pd`: prefill-decode disaggregation, partial, slab and full transfer, per
+f_host.
 
 For each context, the same unique prompts run through a prefill worker and a decode worker
 (`disagg.pd.DisaggregatedLLM`) once per (transfer, f_host). Per request it reports the bytes
@@ -171,9 +172,10 @@ def run_pd_bench(args: argparse.Namespace) -> list[dict]:
     print(markdown_table(rows, REQUESTS))
     print("\n### per setting\n")
     print(markdown_table(settings, SUMMARY))
-    print(f"\nadmission = prompt blocks the decode worker reads before its first step (partial: "
-          f"the per-layer union of the working sets the prefill worker's extra decode step "
-          f"chose; full: all) + summaries, active block and working sets. host KV = the "
+    print(f"\nadmission = K/V the decode worker reads before its first step (partial: the "
+          f"per-layer union of the blocks of the working sets the prefill worker's extra "
+          f"decode step chose; slab: those working sets' per-head slices; full: every prompt "
+          f"block) + summaries, active block and working sets. host KV = the "
           f"request's blocks on the decode host (all layers), sampled after every decode step. "
           f"Prompt K/V comes precomputed from the prefill cache (computed once: "
           f"{', '.join(f'{k}: {v:.0f} s' for k, v in prefill_s.items())}), so TTFT is the "

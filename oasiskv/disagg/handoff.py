@@ -3,11 +3,19 @@
 The prefill worker computes the prompt, puts its complete blocks to the remote store, runs one
 decode step more (its first query predicts the working set of the next step), and hands over:
 the request's tokens, the summaries (kmin/kmax) of every complete block, the K/V of the
-blocks after the prompt's last complete one (the active block), each layer's working set, and
-which prompt blocks the decode host should hold at once. With `partial` transfer those are the
-per-layer union of the working set's blocks; with `full`, every prompt block. The decode
-worker reads those blocks from the store (one-sided reads of the prefill host's memory with
-Mooncake) and fetches any other prompt block from the store when a later step wants it.
+blocks after the prompt's last complete one (the active block), each layer's working set and
+its K/V, in one of three ways:
+
+- `partial` (the paper's): per layer the union of the working set's prompt blocks, whole, into
+  the decode host's cache, from which the slab is filled;
+- `slab`: the slab itself, per layer K slot blocks, head h's part of slot s being the block
+  head_map[l, s, h]: K x Hkv head slices instead of whole blocks for every head, and no
+  prompt block on the decode host at first (a block that leaves a working set and is wanted
+  again comes from the store: less at admission, more during decode);
+- `full`: every prompt block into the decode host's cache (for comparison).
+
+The decode worker reads them from the store (one-sided reads of the prefill host's memory
+with Mooncake); any other prompt block comes from the store when a later step wants it.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from oasiskv.engine.sequence import RequestMetrics, Sequence
 from oasiskv.kv.residency import SparseKV, WorkingSet
 from oasiskv.kv.select import stamp
 
-TRANSFERS = ("partial", "full")
+TRANSFERS = ("partial", "slab", "full")
 
 
 @dataclass
@@ -31,8 +39,9 @@ class Handoff:
     token_ids: list[int]  # prompt + generated; the last one has no K/V yet
     num_prompt_tokens: int
     num_computed_tokens: int
-    transfer: str  # "partial" | "full"
-    kept: list[torch.Tensor]  # per layer [m_l]: logical prompt blocks sent with the request
+    transfer: str  # one of TRANSFERS
+    kept: list[torch.Tensor]  # per layer [m_l]: logical prompt blocks sent whole
+    slab_namespace: str | None  # slab: where the K slot blocks of each layer wait
     kmin: torch.Tensor  # [L, n_full, Hkv, d] summaries of every complete logical block
     kmax: torch.Tensor
     tail: torch.Tensor  # [L, 2, Hkv, T, d] K/V of tokens P*B .. num_computed (not in store)
@@ -58,8 +67,10 @@ class Handoff:
 
     @property
     def kept_blocks(self) -> int:
-        """Prompt blocks (one layer's each) the decode worker reads at admission."""
-        return sum(len(k) for k in self.kept)
+        """Blocks (one layer's each, or K slot blocks per layer) the decode worker reads from
+        the store at admission."""
+        slab = self.head_map.shape[0] * self.head_map.shape[1] if self.slab_namespace else 0
+        return sum(len(k) for k in self.kept) + slab
 
     @property
     def metadata_bytes(self) -> int:
@@ -77,7 +88,8 @@ class Handoff:
 
 def take_handoff(kv: SparseKV, seq: Sequence, transfer: str) -> Handoff:
     """Prefill side, after the request's extra decode step (its jobs done): what the decode
-    worker needs. The request's prompt blocks are in the store already."""
+    worker needs. The request's prompt blocks are in the store already; with slab transfer its
+    slab goes there too. Raises RemoteStoreError when that put fails."""
     B = kv.cfg.block_size
     P, n_full = seq.num_prompt_tokens // B, seq.num_computed_tokens // B
     ws = seq.working_set
@@ -87,14 +99,19 @@ def take_handoff(kv: SparseKV, seq: Sequence, transfer: str) -> Handoff:
                           dtype=torch.long)
     tokens = (blocks[:, None] * B + torch.arange(B)).flatten()[:seq.num_computed_tokens - P * B]
     tail = kv.host_kv[:, :, :, tokens]  # [L, 2, Hkv, T, d]
+    namespace, slab_namespace = seq.host_cache.namespace, None
     if transfer == "partial":  # each layer's working-set blocks from the prompt
         kept = [m[(m >= 0) & (m < P)].unique() for m in ws.head_map]
+    elif transfer == "slab":
+        slab_namespace = kv.remote.put_slab(namespace, kv.slab_kv(seq))
+        kept = [torch.zeros(0, dtype=torch.long)] * len(ws.head_map)
     else:
         kept = [torch.arange(P)] * len(ws.head_map)
     return Handoff(
-        request_id=seq.request_id, namespace=seq.host_cache.namespace, prompt=seq.prompt,
+        request_id=seq.request_id, namespace=namespace, prompt=seq.prompt,
         token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
         num_computed_tokens=seq.num_computed_tokens, transfer=transfer, kept=kept,
+        slab_namespace=slab_namespace,
         kmin=kv.kmin[:, ids].cpu(), kmax=kv.kmax[:, ids].cpu(), tail=tail.cpu(),
         head_map=ws.head_map.clone(), ages=ws.last_used - stamp(kv.step),
         seeded=list(ws.seeded), primed=list(ws.primed), draft_tokens=list(seq.draft_tokens),
@@ -104,9 +121,9 @@ def take_handoff(kv: SparseKV, seq: Sequence, transfer: str) -> Handoff:
 
 def receive_handoff(kv: SparseKV, seq: Sequence, handoff: Handoff) -> int:
     """Decode side, the request admitted (slab, summary ids and host-cache blocks allocated):
-    reads the kept blocks from the store into its host cache, installs summaries, the active
-    block and the working set, and fills its slab, so that its next step continues where the
-    prefill worker's would have. Returns the bytes read from the store; raises
+    reads the kept blocks or the slab from the store, installs summaries, the
+    active block and the working set, and fills its slab, so that its next step continues
+    where the prefill worker's would have. Returns the bytes read from the store; raises
     RemoteStoreError when the read fails."""
     B, h = kv.cfg.block_size, handoff
     P, n_full = h.num_prompt_blocks, h.num_computed_tokens // B
@@ -122,10 +139,14 @@ def receive_handoff(kv: SparseKV, seq: Sequence, handoff: Handoff) -> int:
             rest = rest[~torch.isin(rest, wanted)][:capacity - len(wanted)]
             keep.append(torch.cat([rest.flip(0), wanted]))  # the working set most recent
     seq.host_cache, read = kv.remote.receive(seq, h.namespace, h.kept, keep)
+    slab = None
+    if h.slab_namespace is not None:
+        slab = kv.remote.take_slab(h.slab_namespace, *h.head_map.shape[:2])
+        read += slab.numel() * slab.element_size()
     generated = seq.host_cache.where[0, P:P + -(-h.tail.shape[3] // B)]
     tokens = (generated[:, None] * B + torch.arange(B)).flatten()[:h.tail.shape[3]]
     kv.host_kv[:, :, :, tokens] = h.tail.to(kv.host_kv)
     seq.working_set = WorkingSet(h.head_map.clone(), h.ages + stamp(kv.step), list(h.seeded),
                                  list(h.primed))
-    kv.load_slab(seq, h.num_computed_tokens)
+    kv.load_slab(seq, h.num_computed_tokens, slab)
     return read

@@ -385,7 +385,13 @@ class LLMEngine:
             if seq.transfer is None or seq.is_finished or seq.working_set is None:
                 continue
             self.sparse.flush()  # the next step's blocks are chosen and fetched
-            seq.handoff = take_handoff(self.sparse, seq, seq.transfer)
+            try:
+                seq.handoff = take_handoff(self.sparse, seq, seq.transfer)
+            except RemoteStoreError as e:
+                log.error("request %s failed: %r", seq.request_id, e)
+                self._finish(seq, "error", error=f"remote tier: putting the hand-over of "
+                             f"request {seq.request_id} failed: {e}")
+                continue
             self._finish(seq, "handoff")
 
     def _fail_remote(self, batch: ScheduledBatch) -> list[Sequence]:
@@ -535,6 +541,8 @@ class LLMEngine:
             self.host_cache_peak = max(self.host_cache_peak, seq.host_cache.peak)
             if reason != "handoff":  # its blocks leave the store with it (handed over: they
                 self.sparse.remote.remove(seq.host_cache.namespace)  # go with the decoder)
+        elif seq.handoff is not None:  # a hand-over that was never received
+            self.sparse.remote.drop_handoff(seq.handoff)
         self.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
         if self.drafter is not None:

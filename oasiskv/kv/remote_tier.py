@@ -14,6 +14,7 @@ import os
 import uuid
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from oasiskv.disagg.remote_store import (
 )
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.host_cache import HostCache, prompt_capacity
+
+if TYPE_CHECKING:
+    from oasiskv.disagg.handoff import Handoff
 
 _SHARED: weakref.WeakValueDictionary[str, InProcessStore] = weakref.WeakValueDictionary()
 
@@ -187,6 +191,30 @@ class RemoteTier:
                 mine[kept].permute(1, 2, 0, 3, 4).flatten(2, 3)
         return cache, len(keys) * self.store.block_bytes
 
+    def put_slab(self, namespace: str, slab: torch.Tensor) -> str:
+        """Partial transfer, prefill side: a handed-over request's slab [L, K, 2, Hkv, B, d]
+        goes to the store, slot s of layer l as block (l, s) of its own namespace, which the
+        decode worker reads once (take_slab). Returns that namespace; raises
+        RemoteStoreError when the put fails."""
+        L, K = slab.shape[:2]
+        slab_namespace = f"{namespace}.slab"
+        keys = [BlockKey(slab_namespace, layer, s) for layer in range(L) for s in range(K)]
+        try:
+            self.store.put_blocks(keys, slab.reshape(L * K, *slab.shape[2:]))
+        except RemoteStoreError:
+            self.remove(slab_namespace)  # what did arrive
+            raise
+        return slab_namespace
+
+    def take_slab(self, slab_namespace: str, num_layers: int, top_k: int) -> torch.Tensor:
+        """Decode side: reads a slab that put_slab stored ([L, K, 2, Hkv, B, d]) and drops it
+        from the store. Raises RemoteStoreError when the read fails."""
+        keys = [BlockKey(slab_namespace, layer, s)
+                for layer in range(num_layers) for s in range(top_k)]
+        slab = self.store.get_blocks(keys)
+        self.remove(slab_namespace)
+        return slab.view(num_layers, top_k, *slab.shape[1:])
+
     def fetch(self, layer: int, wants: list[tuple[HostCache, torch.Tensor, torch.Tensor]]
               ) -> FetchResult:
         """For each (cache, protected [*], blocks [m]): the logical prompt blocks of `blocks`
@@ -241,6 +269,12 @@ class RemoteTier:
             self.store.remove(namespace)
         except RemoteStoreError:
             pass
+
+    def drop_handoff(self, handoff: Handoff) -> None:
+        """A hand-over that will not be received: its blocks (and slab) leave the store."""
+        self.remove(handoff.namespace)
+        if handoff.slab_namespace is not None:
+            self.remove(handoff.slab_namespace)
 
     def close(self) -> None:
         self.store.close()

@@ -222,15 +222,50 @@ class SparseKV:
                                        [False] * L)
         self.load_slab(d.seq, d.pos)
 
-    def load_slab(self, seq: Sequence, pos: int) -> None:
-        """Fills the request's slab from the host: each layer's working-set blocks into their
-        (slot, head) and the active block's tokens before `pos`; empty slots are zeroed."""
+    def _slab_tokens(self, seq: Sequence) -> torch.Tensor:
+        """Device rows of the request's K working-set slots, [K * B], slot-major."""
+        K, B = self.cfg.top_k, self.cfg.block_size
+        slab = torch.tensor(seq.block_table[:K], dtype=torch.long) * B
+        return (slab[:, None] + torch.arange(B)).flatten()
+
+    def slab_kv(self, seq: Sequence) -> torch.Tensor:
+        """The request's working-set slots as they are on the device, [L, K, 2, Hkv, B, d]:
+        head h's part of slot s holds block head_map[l, s, h] (zeros where that is -1)."""
+        L, _, hkv, _, d = self.device_kv.shape
+        K, B = self.cfg.top_k, self.cfg.block_size
+        kv = self.device_kv[:, :, :, self._slab_tokens(seq).to(self.device_kv.device)]
+        return kv.view(L, 2, hkv, K, B, d).permute(0, 3, 1, 2, 4, 5).cpu()
+
+    def load_slab(self, seq: Sequence, pos: int, slots: torch.Tensor | None = None) -> None:
+        """Fills the request's slab: each layer's working-set blocks into their (slot, head),
+        from the host or, given `slots` ([L, K, 2, Hkv, B, d], slab_kv of another engine),
+        from there; then the active block's tokens before `pos`; empty slots are zeroed."""
         K, B = self.cfg.top_k, self.cfg.block_size
         slab = torch.tensor(seq.block_table[:K + 1], dtype=torch.long) * B  # [K+1]
         # Empty slots are masked out, but 0 * NaN is NaN in probs @ V: clear the slab's bytes.
         for start in slab.tolist():
             self.device_kv[:, :, :, start:start + B] = 0
-        arange_b, moved = torch.arange(B), 0
+        if slots is not None:
+            L, _, _, hkv, _, d = slots.shape
+            empty = (seq.working_set.head_map < 0)[:, :, None, :, None, None]  # [L, K, 1, Hkv]
+            kv = slots.masked_fill(empty, 0).permute(0, 2, 3, 1, 4, 5).reshape(L, 2, hkv, -1, d)
+            self.device_kv[:, :, :, self._slab_tokens(seq).to(self.device_kv.device)] = \
+                kv.to(self.device_kv)
+            moved = kv.numel()
+        else:
+            moved = self._gather_working_set(seq, slab)
+        filled = pos % B
+        if filled:
+            src = self.host_block(seq, pos // B) * B
+            dst = int(slab[K])
+            self.device_kv[:, :, :, dst:dst + filled] = self.host_kv[:, :, :, src:src + filled]
+            moved += self.device_kv[:, :, :, :filled].numel()
+        self._count(h2d_bytes=moved * self.device_kv.element_size())
+
+    def _gather_working_set(self, seq: Sequence, slab: torch.Tensor) -> int:
+        """Each layer's working-set blocks from the host into their (slot, head); returns the
+        elements moved."""
+        B, arange_b, moved = self.cfg.block_size, torch.arange(self.cfg.block_size), 0
         cache, table = seq.host_cache, torch.tensor(seq.host_table, dtype=torch.long)
         for layer, head_map in enumerate(seq.working_set.head_map):  # [K, Hkv]
             slots, heads = (head_map >= 0).nonzero(as_tuple=True)
@@ -242,13 +277,7 @@ class SparseKV:
             kv, host_kv = self.device_kv[layer], self.host_kv[layer]
             kv[:, heads[:, None], dst] = host_kv[:, heads[:, None], src]
             moved += src.numel() * 2 * kv.shape[-1]
-        filled = pos % B
-        if filled:
-            src = self.host_block(seq, pos // B) * B
-            dst = int(slab[K])
-            self.device_kv[:, :, :, dst:dst + filled] = self.host_kv[:, :, :, src:src + filled]
-            moved += self.device_kv[:, :, :, :filled].numel()
-        self._count(h2d_bytes=moved * self.device_kv.element_size())
+        return moved
 
     @staticmethod
     def host_block(seq: Sequence, block: int) -> int:

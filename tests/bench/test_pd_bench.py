@@ -1,5 +1,6 @@
-"""`oasiskv bench pd` on a tiny model: partial transfer admits fewer bytes than full, the
-blocks it sends are at most the working sets' (top_k x KV heads per layer), a small f_host
+"""`oasiskv bench pd` on a tiny model: partial transfer admits fewer bytes than full and slab
+fewer still, the blocks partial sends are at most the working sets' (top_k x KV heads per
+layer), slab sends exactly top_k slot blocks per layer, a small f_host
 holds less decode-host KV than keeping everything and reads the rest from the store, every
 setting gives the same greedy tokens, and the timeline plot is written."""
 
@@ -22,14 +23,17 @@ def test_pd_bench_partial_vs_full(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert all(r["finish"] == "length" for r in data["rows"])
     settings = {(s["transfer"], s["f_host"]): s for s in data["settings"]}
-    assert set(settings) == {(t, f) for t in ("partial", "full") for f in (0.2, 1.0)}
+    assert set(settings) == {(t, f) for t in ("partial", "slab", "full") for f in (0.2, 1.0)}
     assert all(s["agreement"] == 1.0 for s in settings.values())
     full, partial = settings[("full", 1.0)], settings[("partial", 0.2)]
-    assert full["admission_x"] == 1.0 and partial["admission_x"] > 1.5
+    slab = settings[("slab", 0.2)]
+    assert full["admission_x"] == 1.0 and slab["admission_x"] > partial["admission_x"] > 1.5
     blocks = 400 // 16  # complete prompt blocks, in each of 2 layers
     for r in data["rows"]:
         if r["transfer"] == "full":
             assert r["kept_blocks"] == 2 * blocks
+        elif r["transfer"] == "slab":
+            assert r["kept_blocks"] == 2 * 2  # layers x top_k slot blocks
         else:
             assert 2 * 2 <= r["kept_blocks"] <= 2 * 2 * 2  # layers x top_k (x KV heads)
     assert full["remote_mb"] == 0 and partial["remote_mb"] > 0  # evicted blocks come back
@@ -39,4 +43,4 @@ def test_pd_bench_partial_vs_full(tmp_path, capsys):
 
 def test_pd_bench_refuses_an_unknown_transfer(capsys):
     assert main(["bench", "pd", "--model", "x", "--transfer", "partial,some"]) == 2
-    assert "--transfer takes partial, full; got some" in capsys.readouterr().err
+    assert "--transfer takes partial, slab, full; got some" in capsys.readouterr().err

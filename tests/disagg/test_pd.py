@@ -1,7 +1,8 @@
 """Prefill-decode disaggregation: a decode worker continuing hand-overs gives the tokens of a
-single engine, reads exactly the union of the first step's working sets at admission (partial
-transfer), keeps its host budget, and, over Mooncake with the prefill worker in its own
-process, fails only the requests that need a dead prefill host's blocks."""
+single engine, reads exactly its transfer's share of the first step's working sets at admission
+(partial: the union of their blocks; slab: their per-head slices), keeps its host budget, and,
+over Mooncake with the prefill worker in its own process, fails only the requests that need a
+dead prefill host's blocks."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import signal
 import time
 
 import pytest
+import torch
 from conftest import needs_mooncake
 from test_host_cache import GREEDY, SPARSE, Recording, check_host_caches, prompts_of
 
 from oasiskv import LLM, SamplingParams
+from oasiskv.disagg.handoff import TRANSFERS
 from oasiskv.disagg.pd import DisaggregatedLLM
+from oasiskv.disagg.remote_store import BlockKey
 
 B = 16
 
@@ -28,6 +32,7 @@ def single_node(tiny_llama, prompts, params=GREEDY):
 
 @pytest.mark.parametrize("prefetch", ["sync", "async"])
 @pytest.mark.parametrize("transfer, f_host", [("partial", 1.0), ("partial", 0.25),
+                                              ("slab", 1.0), ("slab", 0.25),
                                               ("full", 1.0), ("full", 0.25)])
 def test_pd_gives_the_tokens_of_one_engine(tiny_llama, transfer, f_host, prefetch):
     prompts = prompts_of([200, 170, 90, 250])
@@ -42,40 +47,72 @@ def test_pd_gives_the_tokens_of_one_engine(tiny_llama, transfer, f_host, prefetc
     pd.close()
 
 
-def test_partial_transfer_reads_exactly_the_union_of_the_first_working_sets(tiny_llama):
+def record_admissions(pd: DisaggregatedLLM) -> list[tuple]:
+    """Per admission of the decode worker: (namespace, keys it read, prompt blocks on its
+    host, each working-set (layer, slot, head) of its slab [n, 2, B, d], the same blocks'
+    heads as the store holds them)."""
+    sparse = pd.decode.sparse
+    store = sparse.remote.store = Recording(sparse.remote.store)
+    admissions, marks = [], []
+
+    def receive(seq, namespace, blocks, keep, original=sparse.remote.receive):
+        marks.append(len(store.gets))
+        return original(seq, namespace, blocks, keep)
+
+    def load_slab(seq, pos, slots=None, original=sparse.load_slab):
+        original(seq, pos, slots)
+        heads = seq.working_set.head_map  # [L, K, Hkv]
+        P = seq.num_prompt_tokens // B
+        layer, slot, head = ((heads >= 0) & (heads < P)).nonzero(as_tuple=True)
+        keys = [BlockKey(seq.host_cache.namespace, int(la), int(heads[la, s, g]))
+                for la, s, g in zip(layer, slot, head, strict=True)]
+        distinct = sorted(set(keys))
+        blocks = store.inner.get_blocks(distinct)  # [n, 2, Hkv, B, d]
+        blocks = blocks[torch.tensor([distinct.index(k) for k in keys])]
+        admissions.append((seq.host_cache.namespace,
+                           [k for keys in store.gets[marks[-1]:] for k in keys],
+                           int((seq.host_cache.holder >= 0).sum()),
+                           sparse.slab_kv(seq)[layer, slot, :, head],
+                           blocks[torch.arange(len(keys)), :, head]))
+
+    sparse.remote.receive, sparse.load_slab = receive, load_slab
+    return admissions
+
+
+def test_each_transfer_reads_exactly_its_share_of_the_first_working_sets(tiny_llama):
     prompts = prompts_of([240, 200, 120], seed=1)
     admitted = {}
-    for transfer in ("partial", "full"):
+    for transfer in TRANSFERS:
         pd = DisaggregatedLLM(str(tiny_llama), transfer=transfer, **SPARSE)
-        store = pd.decode.sparse.remote.store = Recording(pd.decode.sparse.remote.store)
-        reads = []  # (namespace, keys) of each admission's read, in order
-        original = pd.decode.sparse.remote.receive
-
-        def receive(seq, namespace, blocks, keep, original=original, store=store, reads=reads):
-            before = len(store.gets)
-            out = original(seq, namespace, blocks, keep)
-            reads.append((namespace, [k for keys in store.gets[before:] for k in keys]))
-            return out
-
-        pd.decode.sparse.remote.receive = receive
+        admissions = record_admissions(pd)
         outs = pd.generate(prompts, GREEDY, use_tqdm=False)
         assert all(o.finish_reason == "length" for o in outs)
         handoffs = {h.namespace: h for h in pd.handoffs.values()}
-        assert len(reads) == len(prompts)
-        for namespace, keys in reads:
+        assert len(admissions) == len(prompts)
+        for namespace, keys, prompt_on_host, installed, stored in admissions:
             h = handoffs[namespace]
+            L, K, _ = h.head_map.shape
             P = h.num_prompt_tokens // B
-            read = {(k.layer, k.block) for k in keys}
             if transfer == "partial":  # per layer: the prompt blocks its working set holds
                 union = {(layer, int(b)) for layer, m in enumerate(h.head_map)
                          for b in m.flatten() if 0 <= b < P}
-                assert read == union and len(keys) == len(union)
+                assert {(k.layer, k.block) for k in keys} == union and len(keys) == len(union)
+                assert prompt_on_host == len(union)
+            elif transfer == "slab":  # K slot blocks per layer, no prompt block
+                assert sorted(keys) == [BlockKey(h.slab_namespace, layer, s)
+                                        for layer in range(L) for s in range(K)]
+                assert h.kept_blocks == L * K and prompt_on_host == 0
             else:
-                assert read == {(layer, b) for layer in range(len(h.kept)) for b in range(P)}
+                assert {(k.layer, k.block) for k in keys} == {
+                    (layer, b) for layer in range(L) for b in range(P)}
+                assert prompt_on_host == L * P  # f_host = 1: every prompt block
+            # every (layer, slot, head) of the slab holds its block as the store has it
+            assert len(installed) > 0 and torch.equal(installed, stored)
         admitted[transfer] = pd.decode.stats()["sparse_handoff_bytes"]
         assert admitted[transfer] == sum(h.admission_bytes for h in handoffs.values())
+        assert len(pd.decode.sparse.remote.store.inner) == 0  # all left with their requests
         pd.close()
-    assert admitted["partial"] < admitted["full"]
+    assert admitted["slab"] < admitted["partial"] < admitted["full"]
 
 
 def test_refused_and_early_finished_requests_do_not_stop_the_others(tiny_llama):
@@ -102,8 +139,10 @@ def test_pd_over_mooncake_in_two_processes(tiny_llama, master):
     pd = DisaggregatedLLM(str(tiny_llama), remote_store=f"mooncake://{master.address}",
                           decode={"f_host": 0.25}, **SPARSE)
     try:
-        got = pd.generate([long, short], GREEDY, use_tqdm=False)
-        assert [o.token_ids for o in got] == want
+        for transfer in ("slab", "partial"):  # the slab crosses the store too
+            pd.transfer = transfer
+            got = pd.generate([long, short], GREEDY, use_tqdm=False)
+            assert [o.token_ids for o in got] == want
         assert pd.decode.stats()["remote_bytes"] > 0
         killed = {}
 
