@@ -348,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--kv-cache-dir", default=None,
                     help="keep the prompts' computed K/V here and reuse it in later runs")
     pd.add_argument("--dtype", default="float32")
+    pd.add_argument("--summary-dtype", default="auto",
+                    help="block summaries: auto (the KV dtype), float16 or bfloat16 (half the "
+                    "bytes a hand-over sends for them)")
     pd.add_argument("--num-threads", type=int, default=None)
     pd.add_argument("--json", help="write the figures to this file")
     pd.add_argument("--plot", help="write the store-read bandwidth timeline (PNG)")

@@ -103,6 +103,11 @@ def _field(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16}
+
+
 KV_MODES = ("dense", "sparse")
 PREDICTORS = ("lookahead", "previous", "exact", "oracle")
 CRITICAL_PATH = ("exact", "oracle")  # predictors that select for the step itself
@@ -160,6 +165,11 @@ class CacheConfig:
         "min(P, top_k * KV heads), so that its working sets fit) plus all its generated "
         "blocks, and fetches evicted ones again from the store")
 
+    summary_dtype: str = _field(
+        "auto", "sparse: dtype of the block summaries (kmin/kmax). auto: the KV dtype; "
+        "float16 or bfloat16 halve their device memory and the bytes a hand-over sends "
+        "(rounded outward, so that they still bound every key of their block)")
+
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
@@ -192,6 +202,9 @@ class CacheConfig:
             raise ValueError(f"sink_blocks + recent_blocks ({self.sink_blocks} + "
                              f"{self.recent_blocks}) must leave room in top_k ({self.top_k}) "
                              "for selected blocks")
+        if self.summary_dtype != "auto" and self.summary_dtype not in _DTYPES:
+            raise ValueError(f"summary_dtype {self.summary_dtype!r} is not auto or one of "
+                             f"{sorted(set(_DTYPES))}")
         if self.score_alpha < 0:
             raise ValueError(f"score_alpha must be >= 0, got {self.score_alpha}")
         self._check_remote()
@@ -213,6 +226,9 @@ class CacheConfig:
         if self.f_host < 1 and spec == "none":
             raise ValueError(f"f_host={self.f_host} < 1 needs a remote store to fetch evicted "
                              "blocks from: set remote_store (inprocess or mooncake://HOST:PORT)")
+
+    def summary_torch_dtype(self, kv_dtype: torch.dtype) -> torch.dtype:
+        return kv_dtype if self.summary_dtype == "auto" else _DTYPES[self.summary_dtype]
 
     @property
     def fetch_cap(self) -> int:
@@ -272,11 +288,6 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16}
 
 
 @dataclass

@@ -48,6 +48,7 @@ FIELD_VALUES = {
     "speculative": ("accept", lambda e, _: e.config.spec.speculative == "accept"),
     "draft_model": (None, lambda e, _: e.config.spec.draft_model is None),
     "score_alpha": (0.5, lambda e, _: e.config.cache.score_alpha == 0.5),
+    "summary_dtype": ("float16", lambda e, _: e.config.cache.summary_dtype == "float16"),
     "sink_blocks": (2, lambda e, _: e.config.cache.sink_blocks == 2),
     "recent_blocks": (1, lambda e, _: e.config.cache.recent_blocks == 1),
     "remote_store": ("none", lambda e, _: e.config.cache.remote_store == "none"),
@@ -86,7 +87,7 @@ def test_every_config_field_is_an_llm_keyword(tiny_llama, name):
     ({"device_kv_budget": "lots"}, "size in bytes"), ({"device_kv_budget": 0}, "positive"),
     ({"max_num_seqs": 0}, "max_num_seqs"), ({"max_num_batched_tokens": -1},
                                             "max_num_batched_tokens"),
-    ({"max_model_len": 0}, "max_model_len"),
+    ({"max_model_len": 0}, "max_model_len"), ({"summary_dtype": "int8"}, "summary_dtype"),
     ({"max_num_seq": 4}, r"unknown config option.*max_num_seq"),
 ])
 def test_config_validation(tiny_llama, kwargs, match):

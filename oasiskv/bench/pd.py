@@ -123,6 +123,7 @@ def run_pd_bench(args: argparse.Namespace) -> list[dict]:
         raise ValueError(f"--transfer takes {', '.join(TRANSFERS)}; got {', '.join(bad)}")
     kwargs = {"model": args.model, "dtype": args.dtype, "kv_mode": "sparse",
               "top_k": args.top_k, "f_hbm": args.f_hbm, "max_num_seqs": args.requests,
+              "summary_dtype": args.summary_dtype,
               "device_kv_budget": args.device_kv_budget, "host_kv_budget": args.host_kv_budget}
     if args.num_threads:
         kwargs["num_threads"] = args.num_threads
@@ -166,9 +167,9 @@ def run_pd_bench(args: argparse.Namespace) -> list[dict]:
     elapsed = time.perf_counter() - t_start
     store = args.remote_store or "inprocess (one node)"
     print(f"\n## prefill-decode disaggregation, {args.model}: K={args.top_k}, f_hbm "
-          f"{args.f_hbm}, {args.requests} requests at once, {args.output_len} greedy tokens "
-          f"each; store {store}; {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}\n")
+          f"{args.f_hbm}, summaries {args.summary_dtype}, {args.requests} requests at once, "
+          f"{args.output_len} greedy tokens each; store {store}; "
+          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}\n")
     print(markdown_table(rows, REQUESTS))
     print("\n### per setting\n")
     print(markdown_table(settings, SUMMARY))
@@ -182,7 +183,8 @@ def run_pd_bench(args: argparse.Namespace) -> list[dict]:
           f"prefill worker's last token, its extra step and the queue. agreement = greedy "
           f"tokens equal to full f_host=1. {elapsed:.0f} s.")
     write_json(args.json, {"bench": "pd", "model": args.model, "top_k": args.top_k,
-                           "requests": args.requests, "output_len": args.output_len,
+                           "summary_dtype": args.summary_dtype, "requests": args.requests,
+                           "output_len": args.output_len,
                            "store": store, "prefill_s": prefill_s, "rows": rows,
                            "settings": settings, "elapsed_s": elapsed})
     if args.plot:

@@ -27,6 +27,7 @@ import torch
 from oasiskv.engine.sequence import RequestMetrics, Sequence
 from oasiskv.kv.residency import SparseKV, WorkingSet
 from oasiskv.kv.select import stamp
+from oasiskv.kv.summaries import round_outward
 
 TRANSFERS = ("partial", "slab", "full")
 
@@ -128,7 +129,8 @@ def receive_handoff(kv: SparseKV, seq: Sequence, handoff: Handoff) -> int:
     B, h = kv.cfg.block_size, handoff
     P, n_full = h.num_prompt_blocks, h.num_computed_tokens // B
     ids = torch.tensor(seq.summary_ids[:n_full], dtype=torch.long)
-    kv.kmin[:, ids], kv.kmax[:, ids] = h.kmin.to(kv.kmin), h.kmax.to(kv.kmax)
+    kmin, kmax = round_outward(h.kmin, h.kmax, kv.kmin.dtype)  # exact when the dtypes match
+    kv.kmin[:, ids], kv.kmax[:, ids] = kmin.to(kv.kmin.device), kmax.to(kv.kmax.device)
     keep = h.kept
     if h.transfer == "full":  # all of the prompt arrives: keep the working sets' blocks, then
         capacity = kv.remote.capacity(P)  # the most recent ones

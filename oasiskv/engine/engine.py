@@ -117,15 +117,22 @@ class LLMEngine:
             # With a remote store summary ids outlive host blocks: enough ids for every
             # request that host caches at f_host could hold (a budget >= f_host * history).
             summary_ids = host_blocks if remote is None else math.ceil(host_blocks / cache.f_host)
+            summary_dtype = cache.summary_torch_dtype(dtype)
+            # a block's kmin/kmax take 2 of its 2B rows: B summaries per device block in the
+            # KV dtype, 2B in one half its size
+            per_block = block * dtype.itemsize // summary_dtype.itemsize
             self.kv = KVAllocator(self.pool, self.host_pool, slab_blocks=cache.top_k + 1,
                                   summaries=None if remote is None else
-                                  BlockPool(summary_ids, block))
+                                  BlockPool(summary_ids, block),
+                                  summaries_per_block=max(per_block, 1))
             summary = (mc.num_layers, summary_ids, mc.num_kv_heads, mc.head_dim)
             executor = make_executor(cache.prefetch, self.device)
             weakref.finalize(self, executor.close)  # no worker outlives the engine
             self.sparse = SparseKV(cache, device_kv, host_kv,
-                                   torch.empty(summary, dtype=dtype, device=self.device),
-                                   torch.empty(summary, dtype=dtype, device=self.device),
+                                   torch.empty(summary, dtype=summary_dtype,
+                                               device=self.device),
+                                   torch.empty(summary, dtype=summary_dtype,
+                                               device=self.device),
                                    PrefetchPipeline(executor), remote=remote,
                                    scales=[a.scale for a in self.model.attention_layers()])
             self.runner = ModelRunner(self.model, device_kv, block, host_kv, self.sparse)

@@ -120,8 +120,9 @@ class KVAllocator:
 
     dense: every block on the device, allocated as the request grows (a request that cannot
     grow preempts another). sparse: on the device a slab of K+1 blocks (the working set, first
-    in the block table) plus room for the summaries of its history (a block's kmin/kmax are 2
-    of its 2B rows, so B summaries per device block); in the host tier its whole possible
+    in the block table) plus room for the summaries of its history (`summaries_per_block`: a
+    block's kmin/kmax are 2 of its 2B rows, so B summaries per device block when they have the
+    KV dtype, 2B in half of it); in the host tier its whole possible
     history. Both are reserved at admission, so a running sparse request never needs more
     memory and is never preempted: recomputing it would lose its working-set history.
 
@@ -131,9 +132,11 @@ class KVAllocator:
     """
 
     def __init__(self, device: BlockPool, host: BlockPool | None = None,
-                 slab_blocks: int | None = None, summaries: BlockPool | None = None) -> None:
+                 slab_blocks: int | None = None, summaries: BlockPool | None = None,
+                 summaries_per_block: int | None = None) -> None:
         self.device, self.host, self.slab_blocks = device, host, slab_blocks
         self.summaries = summaries
+        self.summaries_per_block = summaries_per_block or device.block_size
 
     @property
     def sparse(self) -> bool:
@@ -160,7 +163,7 @@ class KVAllocator:
 
     def device_blocks_for(self, num_tokens: int) -> int:
         """sparse: slab + summaries of the blocks of `num_tokens` tokens."""
-        return self.slab_blocks + -(-self.host.blocks_for(num_tokens) // self.device.block_size)
+        return self.slab_blocks + -(-self.host.blocks_for(num_tokens) // self.summaries_per_block)
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         dev, host = self.needs(seq, num_tokens)

@@ -33,7 +33,7 @@ from oasiskv.context import SeqAttention
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import is_contiguous
 from oasiskv.kv.select import insert_block
-from oasiskv.kv.summaries import summarize
+from oasiskv.kv.summaries import round_outward, summarize
 from oasiskv.prefetch.executor import InlineExecutor, PrefetchError
 from oasiskv.prefetch.pipeline import PrefetchPipeline
 from oasiskv.prefetch.stages import SelectJob
@@ -384,9 +384,8 @@ class SparseKV:
                    layers: list[int] | None = None) -> None:
         # keys [len(layers) or L, Hkv, n, B, d] -> summaries of ids [n]
         for i, layer in enumerate(layers or range(keys.shape[0])):
-            kmin, kmax = summarize(keys[i])
-            self.kmin[layer, ids] = kmin.to(self.kmin.dtype)
-            self.kmax[layer, ids] = kmax.to(self.kmax.dtype)
+            self.kmin[layer, ids], self.kmax[layer, ids] = round_outward(
+                *summarize(keys[i]), self.kmin.dtype)
 
     # ---- per layer: selection and the attention masks ------------------------------------
 

@@ -6,3 +6,17 @@ import torch
 def summarize(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """keys [Hkv, n, B, d] (n whole blocks) -> kmin, kmax, each [n, Hkv, d]."""
     return keys.amin(dim=2).transpose(0, 1), keys.amax(dim=2).transpose(0, 1)
+
+
+def round_outward(kmin: torch.Tensor, kmax: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """kmin, kmax in `dtype`, kmin rounded down and kmax up where `dtype` is coarser, so that
+    the summary still bounds every key of its block (Quest's score stays an upper bound)."""
+    lo, hi = kmin.to(dtype), kmax.to(dtype)
+    if torch.finfo(dtype).eps <= torch.finfo(kmin.dtype).eps:
+        return lo, hi
+    lo = torch.where(lo.to(kmin.dtype) > kmin, torch.nextafter(lo, lo.new_tensor(-torch.inf)),
+                     lo)
+    hi = torch.where(hi.to(kmax.dtype) < kmax, torch.nextafter(hi, hi.new_tensor(torch.inf)),
+                     hi)
+    return lo, hi

@@ -23,8 +23,8 @@ from oasiskv.disagg.remote_store import BlockKey
 B = 16
 
 
-def single_node(tiny_llama, prompts, params=GREEDY):
-    llm = LLM(str(tiny_llama), **SPARSE)
+def single_node(tiny_llama, prompts, params=GREEDY, **kwargs):
+    llm = LLM(str(tiny_llama), **{**SPARSE, **kwargs})
     outs = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.close()
     return outs
@@ -45,6 +45,21 @@ def test_pd_gives_the_tokens_of_one_engine(tiny_llama, transfer, f_host, prefetc
     assert all(o.finish_reason == "length" for o in got)
     assert len(pd.decode.sparse.remote.store) == 0  # finished requests left the store
     pd.close()
+
+
+def test_half_summaries_halve_their_share_of_the_hand_over(tiny_llama):
+    prompts = prompts_of([230, 180], seed=4)
+    want = single_node(tiny_llama, prompts, summary_dtype="float16")
+    metadata = {}
+    for dtype in ("auto", "float16"):
+        pd = DisaggregatedLLM(str(tiny_llama), transfer="slab", summary_dtype=dtype, **SPARSE)
+        got = pd.generate(prompts, GREEDY, use_tqdm=False)
+        if dtype == "float16":
+            assert [o.token_ids for o in got] == want
+        h = next(iter(pd.handoffs.values()))
+        metadata[dtype] = h.kmin.numel() * h.kmin.element_size(), h.kmin.dtype
+        pd.close()
+    assert metadata["float16"] == (metadata["auto"][0] // 2, torch.float16)
 
 
 def record_admissions(pd: DisaggregatedLLM) -> list[tuple]:

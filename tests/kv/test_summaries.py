@@ -1,0 +1,69 @@
+"""Block summaries in a coarser dtype stay bounds of their block's keys (rounded outward, at
+most one step of that dtype away), so Quest's score stays an upper bound."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oasiskv.kv.select import block_scores
+from oasiskv.kv.summaries import round_outward, summarize
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([1e-3, 1.0, 30.0]),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16]))
+def test_rounded_summaries_bound_every_key_within_one_step(seed, scale, dtype):
+    keys = torch.randn(2, 5, 16, 8, generator=torch.Generator().manual_seed(seed)) * scale
+    kmin, kmax = summarize(keys)  # [5, 2, 8]
+    lo, hi = round_outward(kmin, kmax, dtype)
+    assert lo.dtype == hi.dtype == dtype
+    assert (lo.float() <= kmin).all() and (hi.float() >= kmax).all()
+    # the nearest representable value on the right side: one step of the dtype at most
+    step_lo = (lo.float() - torch.nextafter(lo, lo.new_tensor(-torch.inf)).float()).abs()
+    step_hi = (torch.nextafter(hi, hi.new_tensor(torch.inf)).float() - hi.float()).abs()
+    assert (kmin - lo.float() <= step_lo).all() and (hi.float() - kmax <= step_hi).all()
+    # Quest's score over the rounded summary still bounds every key's q.k
+    q = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed + 1))  # 2 heads / KV head
+    scores = block_scores(q, lo, hi)  # [Hkv, n]
+    exact = torch.einsum("hd,gnbd->hgnb", q, keys).amax(-1)  # [H, Hkv, n]
+    for g in range(2):
+        assert (scores[g] >= exact[2 * g:2 * g + 2, g].sum(0) - 1e-4).all()
+
+
+def test_same_dtype_is_exact():
+    keys = torch.randn(2, 3, 16, 4)
+    kmin, kmax = summarize(keys)
+    lo, hi = round_outward(kmin, kmax, torch.float32)
+    assert torch.equal(lo, kmin) and torch.equal(hi, kmax)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_engine_stores_rounded_summaries_and_pays_half_their_device_blocks(tiny_llama, dtype):
+    from oasiskv import LLM, SamplingParams
+
+    kw = dict(kv_mode="sparse", top_k=2, device_kv_budget="4MiB", host_kv_budget="4MiB")
+    llm = LLM(str(tiny_llama), summary_dtype=dtype, **kw)
+    full = LLM(str(tiny_llama), **kw)
+    tokens = 4096  # 256 blocks: 16 device blocks of fp32 summaries, 8 of half ones
+    assert full.engine.kv.device_blocks_for(tokens) - 3 == 16
+    assert llm.engine.kv.device_blocks_for(tokens) - 3 == 8
+    sp, B = llm.engine.sparse, 16
+    assert sp.kmin.dtype == sp.kmax.dtype == getattr(torch, dtype)
+    seen = []
+
+    def check(batch):  # summaries of every complete block bound its keys on the host
+        for seq, _ in batch:
+            for b in range(seq.num_computed_tokens // B):
+                host = seq.host_table[b]
+                keys = sp.host_kv[:, 0, :, host * B:(host + 1) * B]  # [L, Hkv, B, d]
+                seen.append(bool((sp.kmin[:, host].float() <= keys.amin(2)).all()
+                                 and (sp.kmax[:, host].float() >= keys.amax(2)).all()))
+
+    llm.engine.step_hooks.append(check)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate([list(range(1, 90)), list(range(5, 60))], params, use_tqdm=False)
+    assert all(o.finish_reason == "length" for o in outs)
+    assert seen and all(seen)
+    llm.close()
+    full.close()
