@@ -10,7 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-from oasiskv.config import EngineConfig
+from oasiskv.config import CacheConfig, EngineConfig
 from oasiskv.disagg.handoff import TRANSFERS
 from oasiskv.spec.train import TrainSpec
 
@@ -404,6 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="sparse: last complete blocks always kept (values to compare)")
         fid.add_argument("--drafter", default="resync",
                          help="lookahead's drafter: self, ngram, resync, eagle:DIR")
+        fid.add_argument("--f-hbm", default=str(CacheConfig.f_hbm),
+                         help="sparse: admission caps to compare (e.g. 0.05,1.0,auto)")
         fid.add_argument("--samples", type=int, default=20, help="prompts per task and context")
         fid.add_argument("--seed", type=int, default=0)
         fid.add_argument("--ppl-samples", type=int, default=None,

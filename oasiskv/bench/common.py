@@ -22,6 +22,11 @@ def parse_list(text: str, kind: type = int) -> list:
     return [kind(x) for x in str(text).split(",") if x.strip()]
 
 
+def parse_f_hbms(text: str) -> list[float | str]:
+    """"0.05,1.0,auto" -> [0.05, 1.0, "auto"]."""
+    return [f if f == "auto" else float(f) for f in parse_list(text, str)]
+
+
 def long_text() -> tuple[str, str]:
     """Real prose for prompts: the Austen novels when the Debian package is there, otherwise a
     deterministic shuffled-word text (said so in the output)."""

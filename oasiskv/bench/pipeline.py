@@ -22,7 +22,7 @@ import torch
 
 from oasiskv.bench.common import (
     markdown_table,
-    parse_list,
+    parse_f_hbms,
     pyplot,
     save_figure,
     unique_prompts,
@@ -97,7 +97,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
     t_start = time.perf_counter()
-    fractions = [f if f == "auto" else float(f) for f in parse_list(args.f_hbm, str)]
+    fractions = parse_f_hbms(args.f_hbm)
     base = {"model": args.model, "kv_mode": "sparse", "top_k": args.top_k,
             "predictor": args.predictor, "drafter": args.drafter, "dtype": args.dtype,
             "max_num_seqs": args.batch}

@@ -31,13 +31,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from oasiskv.bench.common import markdown_table, parse_list, write_json
+from oasiskv.bench.common import markdown_table, parse_f_hbms, parse_list, write_json
+from oasiskv.config import CacheConfig
 from oasiskv.data.austen import NOVELS, austen_text
 from oasiskv.eval.recall import paragraph_prompt
 from oasiskv.eval.tasks import NEEDLE_KINDS, make_task, score
 from oasiskv.sampling_params import SamplingParams
 
 TASKS = ("passkey", "needle", "ppl")
+DEFAULT_F_HBM = CacheConfig.f_hbm
 MAX_ANSWER_TOKENS = {"passkey": 12, "single": 20, "multikey": 20, "multivalue": 64}
 
 
@@ -50,6 +52,7 @@ class Setting:
     top_k: int | None = None
     sink_blocks: int = 0
     recent_blocks: int = 0
+    f_hbm: float | str = DEFAULT_F_HBM
 
     @property
     def name(self) -> str:
@@ -57,24 +60,27 @@ class Setting:
             return "dense"
         pins = "".join(f" +{n} {what}" for n, what in ((self.sink_blocks, "sink"),
                                                        (self.recent_blocks, "recent")) if n)
-        return f"sparse K={self.top_k} {self.predictor}{pins}"
+        cap = "" if self.f_hbm == DEFAULT_F_HBM else f" f_hbm={self.f_hbm}"
+        return f"sparse K={self.top_k} {self.predictor}{pins}{cap}"
 
     def engine_kwargs(self) -> dict:
         if self.kv_mode == "dense":
             return {"kv_mode": "dense"}
         return {"kv_mode": "sparse", "predictor": self.predictor, "top_k": self.top_k,
-                "sink_blocks": self.sink_blocks, "recent_blocks": self.recent_blocks}
+                "sink_blocks": self.sink_blocks, "recent_blocks": self.recent_blocks,
+                "f_hbm": self.f_hbm}
 
 
 def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
-                  sinks: tuple[int, ...] = (0,), recents: tuple[int, ...] = (0,)) -> list[Setting]:
+                  sinks: tuple[int, ...] = (0,), recents: tuple[int, ...] = (0,),
+                  f_hbms: tuple[float | str, ...] = (DEFAULT_F_HBM,)) -> list[Setting]:
     bad = [m for m in kv_modes if m not in ("dense", "sparse")]
     if bad or not kv_modes:
         raise ValueError(f"--kv-mode takes dense and/or sparse, got {kv_modes}")
     out = [Setting("dense")] if "dense" in kv_modes else []
     if "sparse" in kv_modes:
-        out += [Setting("sparse", p, k, s, r) for k in top_ks for s in sinks for r in recents
-                for p in predictors]
+        out += [Setting("sparse", p, k, s, r, f) for k in top_ks for s in sinks
+                for r in recents for f in f_hbms for p in predictors]
     return out
 
 
@@ -215,7 +221,7 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
     contexts = parse_list(args.context)
     settings = settings_from(parse_list(args.kv_mode, str), parse_list(args.predictor, str),
                              parse_list(args.top_k), parse_list(args.sink_blocks),
-                             parse_list(args.recent_blocks))
+                             parse_list(args.recent_blocks), parse_f_hbms(args.f_hbm))
     if args.samples <= 0:
         raise ValueError(f"--samples must be positive, got {args.samples}")
     base = {"model": args.model, "dtype": args.dtype, "drafter": args.drafter}

@@ -91,4 +91,13 @@ def test_pinned_block_settings_are_their_own_columns():
         "dense", "sparse K=32 exact", "sparse K=32 exact +2 recent", "sparse K=32 exact +4 sink",
         "sparse K=32 exact +4 sink +2 recent"]
     assert settings[-1].engine_kwargs() == {"kv_mode": "sparse", "predictor": "exact",
-                                            "top_k": 32, "sink_blocks": 4, "recent_blocks": 2}
+                                            "top_k": 32, "sink_blocks": 4, "recent_blocks": 2,
+                                            "f_hbm": 0.05}
+
+
+def test_admission_caps_are_their_own_columns():
+    settings = settings_from(["sparse"], ["lookahead"], [128], f_hbms=[0.05, 1.0, "auto"])
+    assert [s.name for s in settings] == [
+        "sparse K=128 lookahead", "sparse K=128 lookahead f_hbm=1.0",
+        "sparse K=128 lookahead f_hbm=auto"]
+    assert [s.engine_kwargs()["f_hbm"] for s in settings] == [0.05, 1.0, "auto"]
