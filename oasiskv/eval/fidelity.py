@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from oasiskv.bench.common import markdown_table, parse_f_hbms, parse_list, write_json
 from oasiskv.config import CacheConfig
 from oasiskv.data.austen import NOVELS, austen_text
+from oasiskv.eval.metrics import paired_bootstrap_ci
 from oasiskv.eval.recall import paragraph_prompt
 from oasiskv.eval.tasks import NEEDLE_KINDS, make_task, score
 from oasiskv.sampling_params import SamplingParams
@@ -193,6 +194,10 @@ def summarize(task: str, samples: list[Sample], results: dict[str, list[dict]]) 
             row["ppl"] = math.exp(nll)
             if dense is not None:
                 row["ppl_ratio"] = row["ppl"] / math.exp(sum(r["nll"] for r in dense) / len(dense))
+                lo, hi = paired_bootstrap_ci([r["nll"] for r in per], [r["nll"] for r in dense],
+                                             lambda x, y: (x.mean(-1) - y.mean(-1)).exp())
+                row.update(ppl_ratio_lo=lo, ppl_ratio_hi=hi,
+                           ppl_ratio_ci=f"{row['ppl_ratio']:.4f} [{lo:.4f}, {hi:.4f}]")
                 pairs = [(a["tokens"], b["tokens"]) for a, b in zip(per, dense, strict=True)]
                 row["agreement"] = sum(sum(x == y for x, y in zip(a, b, strict=False))
                                        / max(len(b), 1) for a, b in pairs) / len(pairs)
@@ -200,6 +205,11 @@ def summarize(task: str, samples: list[Sample], results: dict[str, list[dict]]) 
             row["accuracy"] = 100 * sum(r["score"] for r in per) / len(per)
             if dense is not None:
                 row["delta"] = row["accuracy"] - 100 * sum(r["score"] for r in dense) / len(dense)
+                lo, hi = paired_bootstrap_ci([r["score"] for r in per],
+                                             [r["score"] for r in dense],
+                                             lambda x, y: 100 * (x.mean(-1) - y.mean(-1)))
+                row.update(delta_lo=lo, delta_hi=hi,
+                           delta_ci=f"{row['delta']:+.1f} [{lo:+.1f}, {hi:+.1f}]")
             for kind in dict.fromkeys(s.kind for s in samples):
                 idx = [i for i, s in enumerate(samples) if s.kind == kind]
                 row[f"accuracy_{kind}"] = 100 * sum(per[i]["score"] for i in idx) / len(idx)
@@ -208,8 +218,9 @@ def summarize(task: str, samples: list[Sample], results: dict[str, list[dict]]) 
 
 
 COLUMNS = [("context", "context"), ("task", "task"), ("setting", "setting"),
-           ("samples", "n"), ("accuracy", "accuracy"), ("delta", "Δ dense (pts)"),
-           ("ppl", "ppl"), ("ppl_ratio", "ppl ratio"), ("agreement", "greedy agreement")]
+           ("samples", "n"), ("accuracy", "accuracy"), ("delta_ci", "Δ dense (pts) [95% CI]"),
+           ("ppl", "ppl"), ("ppl_ratio_ci", "ppl ratio [95% CI]"),
+           ("agreement", "greedy agreement")]
 
 
 def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
@@ -255,7 +266,9 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
           f"{args.samples} samples per cell, seed {args.seed}, drafter {args.drafter}\n")
     print(markdown_table(rows, COLUMNS))
     print(f"\naccuracy x100 (containment of the asked values); Δ = points vs dense on the same "
-          f"prompts; ppl over the last {args.ppl_tokens} tokens, teacher-forced through the "
+          f"prompts; [95% CI] = paired bootstrap over the prompts (the same resampled prompts "
+          f"for both settings): an interval that holds 0 (Δ) or 1 (ratio) is no measured "
+          f"difference; ppl over the last {args.ppl_tokens} tokens, teacher-forced through the "
           f"decode path; greedy agreement = share of the first {args.agree_tokens} greedy "
           f"tokens equal to dense's. Every prompt prefilled once (dense) and decoded by each "
           f"setting. {elapsed:.0f} s.")

@@ -4,7 +4,8 @@ import torch
 
 from oasiskv.kv.select import block_mass
 
-__all__ = ["block_mass", "captured_mass", "churn", "membership", "recall"]
+__all__ = ["block_mass", "captured_mass", "churn", "membership", "paired_bootstrap_ci",
+           "recall"]
 
 
 def membership(sets: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -31,3 +32,17 @@ def captured_mass(mass: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
     -> [H]."""
     idx = pred.repeat_interleave(mass.shape[0] // pred.shape[0], dim=0)
     return mass.gather(1, idx).sum(1).double()
+
+
+def paired_bootstrap_ci(a: list[float], b: list[float], stat, level: float = 0.95,
+                        resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of stat(a[idx], b[idx]) over samples drawn with replacement, the
+    same indices for both (a and b are paired: the same prompts under two settings). `stat`
+    maps two [resamples, n] tensors to [resamples]."""
+    x, y = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(len(x), (resamples, len(x)), generator=gen)
+    values = stat(x[idx], y[idx])
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    lo, hi = torch.quantile(values, q).tolist()
+    return lo, hi

@@ -192,7 +192,7 @@ class RemoteTier:
         return cache, len(keys) * self.store.block_bytes
 
     def put_slab(self, namespace: str, slab: torch.Tensor) -> str:
-        """Partial transfer, prefill side: a handed-over request's slab [L, K, 2, Hkv, B, d]
+        """Slab transfer, prefill side: a handed-over request's slab [L, K, 2, Hkv, B, d]
         goes to the store, slot s of layer l as block (l, s) of its own namespace, which the
         decode worker reads once (take_slab). Returns that namespace; raises
         RemoteStoreError when the put fails."""

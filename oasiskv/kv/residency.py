@@ -230,7 +230,7 @@ class SparseKV:
 
     def slab_kv(self, seq: Sequence) -> torch.Tensor:
         """The request's working-set slots as they are on the device, [L, K, 2, Hkv, B, d]:
-        head h's part of slot s holds block head_map[l, s, h] (zeros where that is -1)."""
+        head h's part of slot s holds block head_map[l, s, h] (nothing where that is -1)."""
         L, _, hkv, _, d = self.device_kv.shape
         K, B = self.cfg.top_k, self.cfg.block_size
         kv = self.device_kv[:, :, :, self._slab_tokens(seq).to(self.device_kv.device)]
