@@ -115,7 +115,8 @@ def _cmd_pd(args: argparse.Namespace) -> int:
             f"{m.num_generated_tokens} tok ({out.finish_reason}) | TTFT {m.ttft or 0:.2f} s")
     if h is not None:
         full = h.num_prompt_blocks * len(h.kept) * h.block_bytes
-        line += (f"\n[oasiskv pd] {args.transfer} transfer: {h.kept_blocks} of "
+        what = "slot blocks (the slab)" if h.slab_namespace else "prompt blocks"
+        line += (f"\n[oasiskv pd] {args.transfer} transfer: {h.kept_blocks} {what} of "
                  f"{h.num_prompt_blocks * len(h.kept)} prompt blocks (all layers), "
                  f"{h.admission_bytes / _MiB:.1f} MiB at admission (the whole prompt: "
                  f"{full / _MiB:.1f} MiB) | decode-time store reads "

@@ -193,5 +193,10 @@ def test_pd_command_prints_the_answer_and_the_transfer(tiny_llama, capsys):
         prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].text
     assert out.strip() == want.strip()
     assert "partial transfer" in err and "prompt blocks (all layers)" in err
+    assert main(args + ["--transfer", "slab"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == want.strip()
+    L, K = 2, 2  # the tiny model's layers, top_k
+    assert f"slab transfer: {L * K} slot blocks (the slab) of" in err
     assert main(args[:-4] + ["--prompt", "x" * 5000]) == 1  # too long: a clear error
     assert "model context is" in capsys.readouterr().err
