@@ -213,20 +213,27 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     spec = TrainSpec(model=args.model, out=args.out, data=args.data, heldout=args.heldout,
                      tokens=args.tokens, heldout_tokens=args.heldout_tokens, chunk=args.chunk,
                      epochs=args.epochs, batch=args.batch, lr=args.lr,
-                     draft_vocab=args.draft_vocab, seed=args.seed)
+                     draft_vocab=args.draft_vocab, self_tokens=args.self_tokens,
+                     self_prompt=args.self_prompt, seed=args.seed)
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    # room for GENERATE_BATCH whole chunks: the own continuations are generated together
     engine = LLMEngine(EngineConfig.from_kwargs(
-        model=args.model, num_threads=args.num_threads,
-        device_kv_budget=f"{max(64, args.chunk // 8)}MiB"))
+        model=args.model, num_threads=args.num_threads, device_kv_budget="2GiB"))
     result = run(engine, spec, aux)
     held = result["heldout"]
     print(f"trained {args.out}: {result['steps']} steps on {result['train_tokens']} tokens "
           f"(features {result['features_s']:.0f} s, training {result['train_s']:.0f} s), "
           f"loss {result['loss_first']:.3f} -> {result['loss_last']:.3f}")
-    print(f"held-out {spec.heldout} ({held['rows']} rows): draft accuracy greedy "
+    print(f"held-out {spec.heldout} text ({held['rows']} rows): draft accuracy greedy "
           f"{held['greedy_accuracy']:.3f}, sampled T=0.7 {held['sampled_accuracy']:.3f} "
           f"(unigram baseline {held['unigram_accuracy']:.3f}); "
           f"last training chunks: {result['train_last']['greedy_accuracy']:.3f}")
+    own_greedy, own_sampled = result["heldout_own_greedy"], result["heldout_own_sampled"]
+    print(f"the target's own continuations of {spec.heldout} passages (what it drafts for at "
+          f"run time): greedy decoding {own_greedy['greedy_accuracy']:.3f} "
+          f"({own_greedy['rows']} rows); T=0.7 decoding: acceptance "
+          f"{own_sampled['sampled_accuracy']:.3f}, argmax match "
+          f"{own_sampled['greedy_accuracy']:.3f} ({own_sampled['rows']} rows)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
@@ -441,6 +448,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, default=TrainSpec.lr)
     tr.add_argument("--draft-vocab", type=int, default=TrainSpec.draft_vocab,
                     help="the head predicts over the target's most frequent greedy tokens")
+    tr.add_argument("--self-tokens", type=int, default=TrainSpec.self_tokens,
+                    help="training tokens of the target's own continuations of training "
+                    "passages (greedy and T=0.7 in turn), beside the novels' text")
+    tr.add_argument("--self-prompt", type=int, default=TrainSpec.self_prompt,
+                    help="tokens of a passage the target continues to a whole chunk")
     tr.add_argument("--aux-layers", default=None,
                     help="target layers fused as features (default: 2, L/2, L-1)")
     tr.add_argument("--seed", type=int, default=TrainSpec.seed)

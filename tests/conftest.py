@@ -110,7 +110,8 @@ def tiny_eagle(tiny_llama, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("eagle")
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama)))
     spec = TrainSpec(model=str(tiny_llama), out=out, chunk=MARKOV_CHUNK, epochs=12, batch=4,
-                     lr=3e-3, draft_vocab=256, shard_chunks=16, quiet=True)
+                     lr=3e-3, draft_vocab=256, shard_chunks=16, self_tokens=16 * MARKOV_CHUNK,
+                     self_prompt=MARKOV_CHUNK // 3, quiet=True)
     result = run(engine, spec, aux_layers=[0, 1],
                  chunks=(markov_corpus(96, 1), markov_corpus(16, 2)))
     return out, result

@@ -10,7 +10,13 @@
    as misses in the accuracy).
 3. Held-out accuracy: greedy (draft == target's greedy token) and sampled (the target's
    T=0.7 probability of the draft: the expected acceptance of sampled decoding), next to the
-   unigram baseline (always the most frequent greedy token).
+   unigram baseline (always the most frequent greedy token); on the held-out novel's text and
+   on the target's own continuations of its passages (greedy and T=0.7): the text the head
+   drafts for at run time.
+
+Own text (`self_tokens`, EAGLE's regenerated data): a training chunk's first `self_prompt`
+tokens continued by the target itself to a whole chunk, greedy and T=0.7 in turn, so the head
+also learns the distribution it meets when the engine generates.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -30,6 +37,8 @@ from oasiskv.spec.eagle import EagleConfig, EagleHead
 
 SAMPLE_TEMPERATURE = 0.7
 TOP_LOGPROBS = 32  # held-out: enough of the T=0.7 distribution to score sampled drafts
+OWN_TEMPERATURES = (0.0, SAMPLE_TEMPERATURE)  # own continuation i uses OWN_TEMPERATURES[i % 2]
+GENERATE_BATCH = 32  # continuations generated together (one engine batch) and cached as one file
 
 
 @dataclass
@@ -46,6 +55,8 @@ class TrainSpec:
     batch: int = 4  # chunks per optimiser step
     lr: float = 1e-3
     draft_vocab: int = 8192
+    self_tokens: int = 0  # training tokens of the target's own continuations
+    self_prompt: int = 256  # tokens of a chunk the target continues
     seed: int = 0
     quiet: bool = False
 
@@ -57,6 +68,11 @@ class TrainSpec:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.chunk < 2:
             raise ValueError(f"chunk must be at least 2 tokens, got {self.chunk}")
+        if self.self_tokens < 0:
+            raise ValueError(f"self_tokens must be >= 0, got {self.self_tokens}")
+        if not 1 <= self.self_prompt < self.chunk:
+            raise ValueError(f"self_prompt must be in [1, chunk={self.chunk}), got "
+                             f"{self.self_prompt}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
 
@@ -127,7 +143,8 @@ def collect(engine, spec: TrainSpec, name: str, chunks: list[list[int]],
     folder = spec.out / "features"
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"model": spec.model, "aux_layers": list(aux_layers), "chunk": spec.chunk,
-            "heldout": spec.heldout, "shard_chunks": spec.shard_chunks}
+            "heldout": spec.heldout, "shard_chunks": spec.shard_chunks,
+            "self_prompt": spec.self_prompt}
     meta_file = folder / "meta.json"
     if meta_file.is_file() and json.loads(meta_file.read_text()) != meta:
         raise ValueError(f"{folder} holds features of another setting "
@@ -139,8 +156,9 @@ def collect(engine, spec: TrainSpec, name: str, chunks: list[list[int]],
                disable=spec.quiet or None)
     for i, group in enumerate(groups):
         path = folder / f"{name}_{i:05d}.safetensors"
-        if not path.is_file():
-            rows = [target_features(engine, ids, aux_layers, name == "heldout") for ids in group]
+        if cached_tokens(path) != group:
+            rows = [target_features(engine, ids, aux_layers, name.startswith("heldout"))
+                    for ids in group]
             tmp = path.with_suffix(".tmp")
             save_file({k: torch.stack([r[k] for r in rows]).contiguous() for k in rows[0]},
                       str(tmp))
@@ -151,9 +169,57 @@ def collect(engine, spec: TrainSpec, name: str, chunks: list[list[int]],
     return paths
 
 
+def cached_tokens(path: Path) -> list[list[int]] | None:
+    """The token ids a cached shard was made from (None when there is none): a shard of
+    other text (another --tokens, --seed) is made again."""
+    if not path.is_file():
+        return None
+    with safe_open(str(path), "pt") as f:
+        return f.get_tensor("tokens").tolist()
+
+
 def load_shards(paths: list[Path]) -> dict[str, torch.Tensor]:
     shards = [load_file(str(p)) for p in paths]
     return {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
+
+
+def own_continuations(engine, spec: TrainSpec, name: str,
+                      prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt continued by the target to `spec.chunk` tokens, prompt i at temperature
+    OWN_TEMPERATURES[i % 2]. Cached per GENERATE_BATCH prompts under OUT/features (a run
+    resumes); must follow `collect`, which checks that the folder matches the setting."""
+    from oasiskv.sampling_params import SamplingParams
+
+    folder = spec.out / "features"
+    texts: list[list[int]] = []
+    bar = tqdm(total=len(prompts) * spec.chunk, desc=f"own text {name}", unit="tok",
+               disable=spec.quiet or None)
+    for first in range(0, len(prompts), GENERATE_BATCH):
+        group = prompts[first:first + GENERATE_BATCH]
+        path = folder / f"{name}_text_{first // GENERATE_BATCH:05d}.safetensors"
+        cached = cached_tokens(path)
+        if cached is None or len(cached) != len(group) or any(
+                t[:len(p)] != p for t, p in zip(cached, group, strict=True)):
+            ids = [engine.add_request(p, SamplingParams(
+                max_tokens=spec.chunk - len(p), temperature=OWN_TEMPERATURES[(first + i) % 2],
+                seed=spec.seed * 1_000_003 + first + i, ignore_eos=True))
+                for i, p in enumerate(group)]
+            ended = {}
+            while engine.has_unfinished():
+                ended |= {o.request_id: o for o in engine.step() if o.finished}
+            bad = [o for o in ended.values() if o.finish_reason != "length"]
+            if bad:
+                raise RuntimeError(f"a continuation ended with {bad[0].finish_reason}: "
+                                   f"{bad[0].error}")
+            tmp = path.with_suffix(".tmp")
+            save_file({"tokens": torch.tensor([p + ended[r].token_ids for p, r in
+                                                zip(group, ids, strict=True)],
+                                               dtype=torch.int32)}, str(tmp))
+            tmp.replace(path)
+        texts += load_file(str(path))["tokens"].tolist()
+        bar.update(len(group) * spec.chunk)
+    bar.close()
+    return texts
 
 
 # ---- training ---------------------------------------------------------------------------------
@@ -213,22 +279,23 @@ def train_head(head: EagleHead, data: dict[str, torch.Tensor], spec: TrainSpec) 
 
 
 @torch.inference_mode()
-def evaluate(head: EagleHead, data: dict[str, torch.Tensor], batch: int = 4) -> dict:
-    """Held-out figures: greedy accuracy, sampled (T=0.7) acceptance, and the unigram
-    baseline's greedy accuracy."""
+def evaluate(head: EagleHead, data: dict[str, torch.Tensor], batch: int = 4,
+             start: int = 1) -> dict:
+    """Held-out figures over rows p >= start (x_p known, x_{p+1} drafted): greedy accuracy,
+    sampled (T=0.7) acceptance, and the unigram baseline's greedy accuracy."""
     positions = torch.arange(1, data["tokens"].shape[1])
     right = sampled = rows = 0.0
     for i in range(0, len(data["tokens"]), batch):
         index = torch.arange(i, min(i + batch, len(data["tokens"])))
         tokens, features, greedy = head_inputs(data, index)
         hidden, _ = head(tokens, features, positions)
-        draft = head.d2t[head.logits(hidden).argmax(-1)]  # [b, S-1] target ids
-        right += (draft == greedy).sum().item()
+        draft = head.d2t[head.logits(hidden).argmax(-1)][:, start - 1:]  # [b, rows] target ids
+        right += (draft == greedy[:, start - 1:]).sum().item()
         if "top_ids" in data:
-            hit = data["top_ids"][index, 1:].long() == draft[..., None]  # [b, S-1, T]
-            sampled += (data["top_logp"][index, 1:].exp() * hit).sum().item()
+            hit = data["top_ids"][index, start:].long() == draft[..., None]  # [b, rows, T]
+            sampled += (data["top_logp"][index, start:].exp() * hit).sum().item()
         rows += draft.numel()
-    greedy = data["greedy"][:, 1:].flatten().long()
+    greedy = data["greedy"][:, start:].flatten().long()
     top = greedy.mode().values
     return {"greedy_accuracy": right / rows,
             "sampled_accuracy": sampled / rows if "top_ids" in data else None,
@@ -247,19 +314,30 @@ def run(engine, spec: TrainSpec, aux_layers: list[int] | None = None,
     layers = tuple(probe.aux_layers)
     train_paths = collect(engine, spec, "train", train_chunks, layers)
     heldout_paths = collect(engine, spec, "heldout", heldout_chunks, layers)
+    own_prompts = [train_chunks[i % len(train_chunks)][:spec.self_prompt]
+                   for i in range(math.ceil(spec.self_tokens / spec.chunk))]
+    own_paths = collect(engine, spec, "own", own_continuations(engine, spec, "own",
+                                                                own_prompts), layers)
+    heldout_own_paths = collect(engine, spec, "heldout_own", own_continuations(
+        engine, spec, "heldout_own", [c[:spec.self_prompt] for c in heldout_chunks]), layers)
     t_features = time.perf_counter() - t0
-    data = load_shards(train_paths)
+    data = load_shards(train_paths + own_paths)
     d2t = draft_vocabulary(data["greedy"], spec.draft_vocab)
     cfg = EagleConfig.for_target(spec.model, mc, len(d2t), list(layers), spec.chunk)
     target = engine.model
     head = EagleHead(cfg, target.model.embed_tokens.weight, target.lm_head.weight, d2t)
     losses = train_head(head, data, spec)
     t_train = time.perf_counter() - t0 - t_features
+    own = load_shards(heldout_own_paths)
     result = {"heldout": evaluate(head, load_shards(heldout_paths)),
+              **{f"heldout_own_{kind}": evaluate(
+                  head, {k: v[i::len(OWN_TEMPERATURES)] for k, v in own.items()},
+                  start=spec.self_prompt) for i, kind in enumerate(("greedy", "sampled"))},
               "train_last": evaluate(head, {k: v[-len(heldout_chunks):] for k, v in
                                             data.items()}),
               "loss_first": losses[0], "loss_last": sum(losses[-10:]) / len(losses[-10:]),
               "steps": len(losses), "train_tokens": len(train_chunks) * spec.chunk,
+              "own_tokens": len(own_prompts) * spec.chunk,
               "heldout_tokens": len(heldout_chunks) * spec.chunk, "draft_vocab": len(d2t),
               "aux_layers": list(layers), "features_s": t_features, "train_s": t_train,
               "spec": {k: str(v) for k, v in asdict(spec).items()}}

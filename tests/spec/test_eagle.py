@@ -5,14 +5,15 @@ identically, incremental drafting equals the training-time forward, and the engi
 
 import pytest
 import torch
+from conftest import MARKOV_CHUNK
 from conftest import markov_corpus as corpus
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.spec.drafters import make_drafter
-from oasiskv.spec.eagle import EagleConfig, EagleHead
-from oasiskv.spec.train import load_shards, target_features
+from oasiskv.spec.eagle import EagleConfig, EagleHead, load_head
+from oasiskv.spec.train import TrainSpec, load_shards, own_continuations, target_features
 
 
 @pytest.fixture
@@ -41,6 +42,46 @@ def test_features_are_resumable_and_match_the_target(trained, tiny_llama):
     first = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
                          use_tqdm=False)[0].token_ids[0]
     assert first == int(shard["greedy"][0, 19])
+
+
+def test_own_continuations_are_the_targets_text_and_resume(trained, tiny_llama):
+    out, result = trained
+    prompt = MARKOV_CHUNK // 3
+    held = load_shards([out / "features" / "heldout_own_00000.safetensors"])
+    novel = load_shards([out / "features" / "heldout_00000.safetensors"])
+    tokens, greedy = held["tokens"].long(), held["greedy"].long()
+    assert torch.equal(tokens[:, :prompt], novel["tokens"][:, :prompt].long())
+    # even chunks are greedy decoding: the target's argmax is the next token it wrote
+    assert torch.equal(greedy[0::2, prompt - 1:-1], tokens[0::2, prompt:])
+    # odd chunks are sampled at T=0.7: they leave the argmax somewhere
+    assert not torch.equal(greedy[1::2, prompt - 1:-1], tokens[1::2, prompt:])
+    # the figures count the generated rows only, half the held-out chunks each
+    rows = len(novel["tokens"]) // 2 * (MARKOV_CHUNK - prompt)
+    assert result["heldout_own_greedy"]["rows"] == result["heldout_own_sampled"]["rows"] == rows
+    # greedy accuracy by hand: the draft of row p (x_p known) against the token the target
+    # wrote next
+    head = load_head(out, LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama))).model)
+    t, f = tokens[0::2], held["features"][0::2].float()
+    hidden, _ = head(t[:, 1:], f[:, :-1], torch.arange(1, MARKOV_CHUNK))
+    draft = head.d2t[head.logits(hidden).argmax(-1)][:, prompt - 1:]
+    wrote = torch.cat([t[:, prompt + 1:], greedy[0::2, -1:]], dim=1)
+    assert result["heldout_own_greedy"]["greedy_accuracy"] == pytest.approx(
+        (draft == wrote).float().mean().item())
+    assert result["own_tokens"] == 16 * MARKOV_CHUNK
+    assert len(list((out / "features").glob("own_*.safetensors"))) >= 2  # text + features
+
+    class NoEngine:  # a resumed run reads the cached text and generates nothing
+        def add_request(self, *args, **kwargs):
+            raise AssertionError("generated again")
+
+    spec = TrainSpec(model=str(tiny_llama), out=out, chunk=MARKOV_CHUNK, self_prompt=prompt,
+                     quiet=True)
+    prompts = [c[:prompt] for c in novel["tokens"].tolist()]
+    assert own_continuations(NoEngine(), spec, "heldout_own", prompts) == tokens.tolist()
+    # cached text of other prompts is not taken for these
+    prompts[-1] = prompts[-1][::-1]
+    with pytest.raises(AssertionError, match="generated again"):
+        own_continuations(NoEngine(), spec, "heldout_own", prompts)
 
 
 def test_saved_head_drafts_identically_and_incremental_equals_batch(trained, tiny_llama):
