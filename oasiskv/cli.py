@@ -379,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="comma-separated: lookahead, previous")
     rec.add_argument("--drafter", default="self,ngram,resync,oracle",
                      help="lookahead drafters: self, ngram, resync, oracle (true next token), "
-                     "eagle:DIR (a head from train-drafter)")
+                     "eagle:DIR (a head from train-drafter), resync-eagle:DIR (the self chain "
+                     "while right, the head after a miss)")
     rec.add_argument("--draft-context", choices=("sparse", "dense"), default="sparse",
                      help="what a draft attends to: the step's exact top-K + active block "
                      "(sparse, the engine's working set) or everything (dense: upper bound)")
@@ -411,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
         fid.add_argument("--recent-blocks", default="0",
                          help="sparse: last complete blocks always kept (values to compare)")
         fid.add_argument("--drafter", default="resync",
-                         help="lookahead's drafter: self, ngram, resync, eagle:DIR")
+                         help="lookahead's drafter: self, ngram, resync, eagle:DIR, "
+                         "resync-eagle:DIR")
         fid.add_argument("--f-hbm", default=str(CacheConfig.f_hbm),
                          help="sparse: admission caps to compare (e.g. 0.05,1.0,auto)")
         fid.add_argument("--samples", type=int, default=20, help="prompts per task and context")

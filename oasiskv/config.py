@@ -113,6 +113,13 @@ PREDICTORS = ("lookahead", "previous", "exact", "oracle")
 CRITICAL_PATH = ("exact", "oracle")  # predictors that select for the step itself
 PREFETCH = ("async", "sync")
 DRAFTERS = ("self", "ngram", "resync", "model")
+HEAD_DRAFTERS = ("eagle", "resync-eagle")  # NAME:DIR runs a head made by `oasiskv train-drafter`
+
+
+def head_dir(drafter: str) -> str | None:
+    """DIR of a drafter that runs a trained head (`eagle:DIR`, `resync-eagle:DIR`), else None."""
+    name, sep, path = drafter.partition(":")
+    return path if sep and name in HEAD_DRAFTERS else None
 _REMOTE = re.compile(r"mooncake://[^\s:/]+:[0-9]{1,5}|inprocess://[A-Za-z0-9_.-]+")
 
 
@@ -246,7 +253,8 @@ class SpecConfig:
 
     drafter: str = _field(
         "resync", f"where draft tokens come from: {DRAFTERS} (resync: best measured recall of "
-        "the training-free ones), or eagle:DIR, a head made by `oasiskv train-drafter`")
+        "the training-free ones), eagle:DIR (a head made by `oasiskv train-drafter`) or "
+        "resync-eagle:DIR (the self chain while its draft was right, the head after a miss)")
     draft_model: str | None = _field(
         None, "drafter=model: a small model sharing the tokenizer (alias, HF dir or .gguf)")
     num_drafts: int = _field(
@@ -256,14 +264,14 @@ class SpecConfig:
         "tokens (rejection sampling keeps the output distribution unchanged)")
 
     def __post_init__(self) -> None:
-        if self.drafter.startswith("eagle:"):
-            head = Path(self.drafter.removeprefix("eagle:"))
-            if not (head / "config.json").is_file():
+        head = head_dir(self.drafter)
+        if head is not None:
+            if not (Path(head) / "config.json").is_file():
                 raise ValueError(f"drafter {self.drafter!r}: {head} holds no trained head "
                                  "(config.json); make one with `oasiskv train-drafter`")
         elif self.drafter not in DRAFTERS:
-            raise ValueError(f"drafter must be one of {DRAFTERS} or eagle:DIR, "
-                             f"got {self.drafter!r}")
+            raise ValueError(f"drafter must be one of {DRAFTERS}, eagle:DIR or "
+                             f"resync-eagle:DIR, got {self.drafter!r}")
         if self.drafter == "model" and not self.draft_model:
             raise ValueError("drafter 'model' needs draft_model (a model alias, HF directory or "
                              ".gguf file sharing the target's tokenizer)")

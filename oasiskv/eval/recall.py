@@ -54,7 +54,7 @@ import torch
 from tqdm.auto import tqdm
 
 from oasiskv.bench.common import markdown_table, parse_list, pyplot, save_figure, write_json
-from oasiskv.config import SpecConfig
+from oasiskv.config import SpecConfig, head_dir
 from oasiskv.context import SeqAttention, set_context
 from oasiskv.data.austen import austen_text
 from oasiskv.engine.sequence import Sequence
@@ -269,12 +269,12 @@ class RecallSpec:
         if bad or not self.predictors:
             raise ValueError(f"predictors must be among {PREDICTORS}, got {self.predictors}")
         for d in self.drafters:
-            if d.startswith("eagle:"):
+            if head_dir(d) is not None:
                 SpecConfig(drafter=d)  # raises when the directory holds no head
             elif d != ORACLE:
                 make_drafter(d)  # raises on an unknown name
-        if sum(d.startswith("eagle:") for d in self.drafters) > 1:
-            raise ValueError("one eagle drafter per run (its features ride on the forward)")
+        if len({head_dir(d) for d in self.drafters} - {None}) > 1:
+            raise ValueError("one head directory per run (its features ride on the forward)")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not self.top_ks or min(self.top_ks) <= 0:
@@ -368,7 +368,10 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
     t_start = time.perf_counter()
     drafters = {d: make_drafter(d, target=engine.model)
                 for d in spec.lookahead_drafters if d != ORACLE}
-    eagle = next((d for d in drafters.values() if d.feature_layers), None)
+    heads = [d for d in drafters.values() if d.feature_layers]
+    eagle = heads[0] if heads else None
+    for other in heads[1:]:  # the same head (one directory per run): one state, one observer
+        other.head, other.states = eagle.head, eagle.states
     if eagle is not None:  # it reads the prompt's features as the engine prefills
         engine.drafter, engine.runner.aux_layers = eagle, eagle.feature_layers
     try:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
+from oasiskv.config import head_dir
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.spec.eagle import load_head
 
@@ -208,19 +209,37 @@ class EagleDrafter(Drafter):
         self.states.pop(request_id, None)
 
 
+class ResyncEagleDrafter(EagleDrafter):
+    """The self chain while its previous draft was right: the draft row then saw the true
+    token, so its logits are the next step's (up to the working set it attended), which one
+    head layer only approximates. The head after a miss and at the first step, where the
+    chain would condition on a token that never happened. The head catches up on the rows it
+    skipped when it is next asked."""
+
+    name = "resync-eagle"
+
+    def propose(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
+        if draft_logits is not None and prev_draft == tokens[-1]:
+            return SelfDrafter().propose(tokens, draft_logits, prev_draft, num)
+        return super().propose(tokens, draft_logits, prev_draft, num, request_id)
+
+
 DRAFTERS: dict[str, type[Drafter]] = {d.name: d for d in (SelfDrafter, NgramDrafter,
                                                            ResyncDrafter, ModelDrafter)}
 
 
 def make_drafter(name: str, draft_model: str | None = None, vocab_size: int = 0,
                  target: LlamaForCausalLM | None = None, **engine_kwargs) -> Drafter:
-    """`name` is a drafter of DRAFTERS or `eagle:DIR` (a head trained for the target)."""
-    if name.startswith("eagle:"):
+    """`name` is a drafter of DRAFTERS, `eagle:DIR` or `resync-eagle:DIR` (a head trained
+    for the target)."""
+    path = head_dir(name)
+    if path is not None:
         if target is None:
             raise ValueError("an eagle drafter reads the target model's features: pass target")
-        return EagleDrafter(name.removeprefix("eagle:"), target)
+        return (ResyncEagleDrafter if name.startswith("resync-") else EagleDrafter)(path, target)
     if name not in DRAFTERS:
-        raise ValueError(f"unknown drafter {name!r}; known: {sorted(DRAFTERS)} or eagle:DIR")
+        raise ValueError(f"unknown drafter {name!r}; known: {sorted(DRAFTERS)}, eagle:DIR or "
+                         "resync-eagle:DIR")
     if name == "model":
         if not draft_model:
             raise ValueError("drafter 'model' needs draft_model (a model alias, HF directory "

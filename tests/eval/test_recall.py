@@ -277,6 +277,28 @@ def test_eagle_drafter_reads_the_prompt_and_each_steps_features(llm, tiny_eagle)
     assert drafts == batch[p - 1:p - 1 + len(drafts)]
 
 
+def test_resync_eagle_beside_eagle_shares_its_head_state(llm, tiny_eagle):
+    """Both head drafters in one run: one head state, so after each miss resync-eagle's
+    draft is eagle's (the chain branch is checked in tests/spec/test_eagle.py)."""
+    head_dir, _ = tiny_eagle
+    names = [f"eagle:{head_dir}", f"resync-eagle:{head_dir}", "self"]
+    out = run_recall(llm, [{"ids": prompt_ids(100)}], RecallSpec([2], ["lookahead"], names,
+                                                                 steps=16),
+                     progress=False)["prompts"][0]
+    eagle, mixed, chain = (out["drafts"][f"2/{n}"] for n in names)
+    x = out["output_ids"]  # drafts[t] guessed x[t + 1]
+    assert mixed[0] == eagle[0]
+    branches = set()
+    for t in range(1, len(mixed)):
+        if mixed[t - 1] != x[t]:  # a miss: the head's guess
+            branches.add("head")
+            assert mixed[t] == eagle[t], t
+        elif chain[t - 1] == x[t]:  # both chains right: the same draft row, the same guess
+            branches.add("chain")
+            assert mixed[t] == chain[t], t
+    assert "head" in branches, (mixed, x)
+
+
 def test_sampled_trajectory_is_seeded(llm):
     def trajectory(seed):
         spec = RecallSpec([2], ["previous"], [], steps=8, temperature=1.5, seed=seed)

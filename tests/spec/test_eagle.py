@@ -108,6 +108,31 @@ def test_saved_head_drafts_identically_and_incremental_equals_batch(trained, tin
     assert again.propose(tokens[:41], None, None, 1, "r") == [batch_drafts[39]]
 
 
+def test_resync_eagle_chains_while_right_and_asks_the_caught_up_head_after_a_miss(
+        trained, tiny_llama):
+    out, _ = trained
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama)))
+    drafter = make_drafter(f"resync-eagle:{out}", target=engine.model)
+    head = drafter.head
+    data = load_shards([out / "features" / "heldout_00000.safetensors"])
+    tokens, feats = data["tokens"][0].tolist(), data["features"][0].float()
+    hidden, _ = head(torch.tensor(tokens[1:])[None], feats[None, :-1],
+                     torch.arange(1, len(tokens)))
+    batch_drafts = head.d2t[head.logits(hidden[0]).argmax(-1)].tolist()  # [p-1] guesses x_{p+1}
+    drafter.observe("r", 0, feats[:20])
+    assert drafter.propose(tokens[:21], None, None, 1, "r") == [batch_drafts[19]]
+    g = torch.Generator().manual_seed(0)
+    for p in range(20, len(tokens) - 1):
+        drafter.observe("r", p, feats[p:p + 1])
+        logits = torch.randn(engine.model_config.vocab_size, generator=g)
+        if p % 3:  # the previous draft was right: the chain's guess, the head is skipped
+            got = drafter.propose(tokens[:p + 2], logits, tokens[p + 1], 1, "r")
+            assert got == [int(logits.argmax())]
+        else:  # a miss: the head, caught up on the rows it skipped
+            got = drafter.propose(tokens[:p + 2], logits, -1, 1, "r")
+            assert got == [batch_drafts[p]], p
+
+
 def test_window_limits_what_a_row_sees(tiny_llama):
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama)))
     mc, target = engine.model_config, engine.model
