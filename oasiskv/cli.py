@@ -231,9 +231,11 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     own_greedy, own_sampled = result["heldout_own_greedy"], result["heldout_own_sampled"]
     print(f"the target's own continuations of {spec.heldout} passages (what it drafts for at "
           f"run time): greedy decoding {own_greedy['greedy_accuracy']:.3f} "
-          f"({own_greedy['rows']} rows); T=0.7 decoding: acceptance "
-          f"{own_sampled['sampled_accuracy']:.3f}, argmax match "
-          f"{own_sampled['greedy_accuracy']:.3f} ({own_sampled['rows']} rows)")
+          f"({own_greedy['rows']} rows; outside loops {own_greedy['outside_loops_accuracy']:.3f}"
+          f", {own_greedy['in_loops_fraction']:.0%} of rows in loops); T=0.7 decoding: "
+          f"acceptance {own_sampled['sampled_accuracy']:.3f}, argmax match "
+          f"{own_sampled['greedy_accuracy']:.3f} ({own_sampled['in_loops_fraction']:.0%} of "
+          f"rows in loops)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

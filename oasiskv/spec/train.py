@@ -278,19 +278,41 @@ def train_head(head: EagleHead, data: dict[str, torch.Tensor], spec: TrainSpec) 
     return losses
 
 
+LOOP_NGRAM = 4
+
+
+def in_loop(tokens: torch.Tensor, n: int = LOOP_NGRAM) -> torch.Tensor:
+    """[b, S] -> [b, S] bool: the n tokens ending at p occurred earlier in the chunk, so the
+    text repeats itself there (greedy decoding of a small model falls into such loops, where
+    any drafter that copies is right)."""
+    out = torch.zeros(tokens.shape, dtype=torch.bool)
+    for row, ids in enumerate(tokens.tolist()):
+        seen: set[tuple[int, ...]] = set()
+        for p in range(n - 1, len(ids)):
+            gram = tuple(ids[p - n + 1:p + 1])
+            out[row, p] = gram in seen
+            seen.add(gram)
+    return out
+
+
 @torch.inference_mode()
 def evaluate(head: EagleHead, data: dict[str, torch.Tensor], batch: int = 4,
              start: int = 1) -> dict:
-    """Held-out figures over rows p >= start (x_p known, x_{p+1} drafted): greedy accuracy,
-    sampled (T=0.7) acceptance, and the unigram baseline's greedy accuracy."""
+    """Held-out figures over rows p >= start (x_p known, x_{p+1} drafted): greedy accuracy
+    (also over the rows outside loops, see `in_loop`), sampled (T=0.7) acceptance, and the
+    unigram baseline's greedy accuracy."""
     positions = torch.arange(1, data["tokens"].shape[1])
-    right = sampled = rows = 0.0
+    right = sampled = rows = fresh_right = fresh = 0.0
     for i in range(0, len(data["tokens"]), batch):
         index = torch.arange(i, min(i + batch, len(data["tokens"])))
         tokens, features, greedy = head_inputs(data, index)
         hidden, _ = head(tokens, features, positions)
         draft = head.d2t[head.logits(hidden).argmax(-1)][:, start - 1:]  # [b, rows] target ids
-        right += (draft == greedy[:, start - 1:]).sum().item()
+        correct = draft == greedy[:, start - 1:]
+        right += correct.sum().item()
+        outside = ~in_loop(data["tokens"][index])[:, start:]  # [b, rows]
+        fresh_right += (correct & outside).sum().item()
+        fresh += outside.sum().item()
         if "top_ids" in data:
             hit = data["top_ids"][index, start:].long() == draft[..., None]  # [b, rows, T]
             sampled += (data["top_logp"][index, start:].exp() * hit).sum().item()
@@ -299,7 +321,9 @@ def evaluate(head: EagleHead, data: dict[str, torch.Tensor], batch: int = 4,
     top = greedy.mode().values
     return {"greedy_accuracy": right / rows,
             "sampled_accuracy": sampled / rows if "top_ids" in data else None,
-            "unigram_accuracy": (greedy == top).float().mean().item(), "rows": int(rows)}
+            "unigram_accuracy": (greedy == top).float().mean().item(), "rows": int(rows),
+            "outside_loops_accuracy": fresh_right / fresh if fresh else None,
+            "in_loops_fraction": 1 - fresh / rows}
 
 
 def run(engine, spec: TrainSpec, aux_layers: list[int] | None = None,

@@ -13,7 +13,7 @@ from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.spec.drafters import make_drafter
 from oasiskv.spec.eagle import EagleConfig, EagleHead, load_head
-from oasiskv.spec.train import TrainSpec, load_shards, own_continuations, target_features
+from oasiskv.spec.train import TrainSpec, in_loop, load_shards, own_continuations, target_features
 
 
 @pytest.fixture
@@ -82,6 +82,12 @@ def test_own_continuations_are_the_targets_text_and_resume(trained, tiny_llama):
     prompts[-1] = prompts[-1][::-1]
     with pytest.raises(AssertionError, match="generated again"):
         own_continuations(NoEngine(), spec, "heldout_own", prompts)
+
+
+def test_in_loop_marks_repeated_ngrams():
+    tokens = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4, 5], [7, 7, 7, 7, 7, 7, 1, 1, 1]])
+    assert in_loop(tokens, n=4).int().tolist() == [[0, 0, 0, 0, 0, 0, 0, 1, 0],
+                                                   [0, 0, 0, 0, 1, 1, 0, 0, 0]]
 
 
 def test_saved_head_drafts_identically_and_incremental_equals_batch(trained, tiny_llama):
