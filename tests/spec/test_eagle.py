@@ -90,17 +90,22 @@ def test_in_loop_marks_repeated_ngrams():
                                                    [0, 0, 0, 0, 1, 1, 0, 0, 0]]
 
 
-def test_saved_head_drafts_identically_and_incremental_equals_batch(trained, tiny_llama):
-    out, _ = trained
+def heldout_drafter(name: str, out, tiny_llama):
+    """A drafter from the trained head, the first held-out chunk (tokens, features) and the
+    head's batch (training) forward drafts over it: drafts[p-1] guesses x_{p+1}."""
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama)))
-    drafter = make_drafter(f"eagle:{out}", target=engine.model)
-    head = drafter.head
+    drafter = make_drafter(f"{name}:{out}", target=engine.model)
     data = load_shards([out / "features" / "heldout_00000.safetensors"])
     tokens, feats = data["tokens"][0].tolist(), data["features"][0].float()
-    # the batch (training) forward over the whole chunk
-    hidden, _ = head(torch.tensor(tokens[1:])[None], feats[None, :-1],
-                     torch.arange(1, len(tokens)))
-    batch_drafts = head.d2t[head.logits(hidden[0]).argmax(-1)].tolist()
+    hidden, _ = drafter.head(torch.tensor(tokens[1:])[None], feats[None, :-1],
+                             torch.arange(1, len(tokens)))
+    drafts = drafter.head.d2t[drafter.head.logits(hidden[0]).argmax(-1)].tolist()
+    return drafter, engine, tokens, feats, drafts
+
+
+def test_saved_head_drafts_identically_and_incremental_equals_batch(trained, tiny_llama):
+    out, _ = trained
+    drafter, engine, tokens, feats, batch_drafts = heldout_drafter("eagle", out, tiny_llama)
     # incremental, as in the engine: observe a prompt, then one position per step
     drafter.observe("r", 0, feats[:20])
     drafts = [drafter.propose(tokens[:21], None, None, 1, "r")[0]]
@@ -117,14 +122,8 @@ def test_saved_head_drafts_identically_and_incremental_equals_batch(trained, tin
 def test_resync_eagle_chains_while_right_and_asks_the_caught_up_head_after_a_miss(
         trained, tiny_llama):
     out, _ = trained
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama)))
-    drafter = make_drafter(f"resync-eagle:{out}", target=engine.model)
-    head = drafter.head
-    data = load_shards([out / "features" / "heldout_00000.safetensors"])
-    tokens, feats = data["tokens"][0].tolist(), data["features"][0].float()
-    hidden, _ = head(torch.tensor(tokens[1:])[None], feats[None, :-1],
-                     torch.arange(1, len(tokens)))
-    batch_drafts = head.d2t[head.logits(hidden[0]).argmax(-1)].tolist()  # [p-1] guesses x_{p+1}
+    drafter, engine, tokens, feats, batch_drafts = heldout_drafter("resync-eagle", out,
+                                                                   tiny_llama)
     drafter.observe("r", 0, feats[:20])
     assert drafter.propose(tokens[:21], None, None, 1, "r") == [batch_drafts[19]]
     g = torch.Generator().manual_seed(0)
