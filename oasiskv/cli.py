@@ -409,6 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
         fid.add_argument("--predictor", default="lookahead,previous,exact",
                          help="sparse predictors to compare")
         fid.add_argument("--top-k", default="32,128", help="sparse K values")
+        fid.add_argument("--block-size", default=str(CacheConfig.block_size),
+                         help="sparse: tokens per KV block (values to compare)")
+        fid.add_argument("--token-budget", default=None,
+                         help="sparse: resident tokens per KV head instead of --top-k: K = "
+                         "budget / B for each --block-size (e.g. 512,2048 with --block-size "
+                         "16,8 compares finer blocks at K=32's and K=128's budgets)")
         fid.add_argument("--sink-blocks", default="0",
                          help="sparse: first blocks always kept (values to compare, e.g. 0,4)")
         fid.add_argument("--recent-blocks", default="0",

@@ -41,6 +41,7 @@ from oasiskv.sampling_params import SamplingParams
 
 TASKS = ("passkey", "needle", "ppl")
 DEFAULT_F_HBM = CacheConfig.f_hbm
+DEFAULT_BLOCK_SIZE = CacheConfig.block_size
 MAX_ANSWER_TOKENS = {"passkey": 12, "single": 20, "multikey": 20, "multivalue": 64}
 
 
@@ -54,6 +55,7 @@ class Setting:
     sink_blocks: int = 0
     recent_blocks: int = 0
     f_hbm: float | str = DEFAULT_F_HBM
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     @property
     def name(self) -> str:
@@ -62,26 +64,37 @@ class Setting:
         pins = "".join(f" +{n} {what}" for n, what in ((self.sink_blocks, "sink"),
                                                        (self.recent_blocks, "recent")) if n)
         cap = "" if self.f_hbm == DEFAULT_F_HBM else f" f_hbm={self.f_hbm}"
-        return f"sparse K={self.top_k} {self.predictor}{pins}{cap}"
+        block = "" if self.block_size == DEFAULT_BLOCK_SIZE else f" B={self.block_size}"
+        return f"sparse K={self.top_k}{block} {self.predictor}{pins}{cap}"
 
     def engine_kwargs(self) -> dict:
         if self.kv_mode == "dense":
             return {"kv_mode": "dense"}
         return {"kv_mode": "sparse", "predictor": self.predictor, "top_k": self.top_k,
                 "sink_blocks": self.sink_blocks, "recent_blocks": self.recent_blocks,
-                "f_hbm": self.f_hbm}
+                "f_hbm": self.f_hbm, "block_size": self.block_size}
 
 
 def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
                   sinks: tuple[int, ...] = (0,), recents: tuple[int, ...] = (0,),
-                  f_hbms: tuple[float | str, ...] = (DEFAULT_F_HBM,)) -> list[Setting]:
+                  f_hbms: tuple[float | str, ...] = (DEFAULT_F_HBM,),
+                  block_sizes: tuple[int, ...] = (DEFAULT_BLOCK_SIZE,),
+                  token_budgets: tuple[int, ...] = ()) -> list[Setting]:
+    """dense, then every sparse combination. With token budgets, K = budget / B for each block
+    size B instead of top_ks: finer blocks at the same resident tokens."""
     bad = [m for m in kv_modes if m not in ("dense", "sparse")]
     if bad or not kv_modes:
         raise ValueError(f"--kv-mode takes dense and/or sparse, got {kv_modes}")
+    for budget in token_budgets:
+        uneven = [b for b in block_sizes if budget % b]
+        if uneven:
+            raise ValueError(f"--token-budget {budget} is not a whole number of blocks of "
+                             f"{uneven[0]} tokens")
     out = [Setting("dense")] if "dense" in kv_modes else []
     if "sparse" in kv_modes:
-        out += [Setting("sparse", p, k, s, r, f) for k in top_ks for s in sinks
-                for r in recents for f in f_hbms for p in predictors]
+        out += [Setting("sparse", p, k, s, r, f, b) for b in block_sizes
+                for k in ([t // b for t in token_budgets] or top_ks)
+                for s in sinks for r in recents for f in f_hbms for p in predictors]
     return out
 
 
@@ -232,7 +245,9 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
     contexts = parse_list(args.context)
     settings = settings_from(parse_list(args.kv_mode, str), parse_list(args.predictor, str),
                              parse_list(args.top_k), parse_list(args.sink_blocks),
-                             parse_list(args.recent_blocks), parse_f_hbms(args.f_hbm))
+                             parse_list(args.recent_blocks), parse_f_hbms(args.f_hbm),
+                             parse_list(args.block_size),
+                             parse_list(args.token_budget) if args.token_budget else ())
     if args.samples <= 0:
         raise ValueError(f"--samples must be positive, got {args.samples}")
     base = {"model": args.model, "dtype": args.dtype, "drafter": args.drafter}

@@ -92,7 +92,7 @@ def test_pinned_block_settings_are_their_own_columns():
         "sparse K=32 exact +4 sink +2 recent"]
     assert settings[-1].engine_kwargs() == {"kv_mode": "sparse", "predictor": "exact",
                                             "top_k": 32, "sink_blocks": 4, "recent_blocks": 2,
-                                            "f_hbm": 0.05}
+                                            "f_hbm": 0.05, "block_size": 16}
 
 
 def test_admission_caps_are_their_own_columns():
@@ -101,3 +101,25 @@ def test_admission_caps_are_their_own_columns():
         "sparse K=128 lookahead", "sparse K=128 lookahead f_hbm=1.0",
         "sparse K=128 lookahead f_hbm=auto"]
     assert [s.engine_kwargs()["f_hbm"] for s in settings] == [0.05, 1.0, "auto"]
+
+
+def test_block_sizes_are_their_own_columns_and_take_the_dense_prefill(model, tmp_path):
+    settings = settings_from(["sparse"], ["exact"], [64], block_sizes=[16, 8])
+    assert [s.name for s in settings] == ["sparse K=64 exact", "sparse K=64 B=8 exact"]
+    assert settings[-1].engine_kwargs()["block_size"] == 8
+    settings = settings_from(["sparse"], ["exact"], [64], block_sizes=[16, 8, 4],
+                             token_budgets=[512, 2048])
+    assert [(s.block_size, s.top_k) for s in settings] == [
+        (16, 32), (16, 128), (8, 64), (8, 256), (4, 128), (4, 512)]
+    with pytest.raises(ValueError, match="--token-budget 100 is not a whole number of blocks"):
+        settings_from(["sparse"], ["exact"], [64], block_sizes=[8], token_budgets=[100])
+    # K*B covers the whole context: B=8 blocks built from the dense (B=16) prefill's K/V
+    # decode exactly like dense; at K=4 they select, and differ
+    out = tmp_path / "fid.json"
+    assert main(["eval", "ppl", "--model", str(model), "--context", "400", "--top-k", "4,64",
+                 "--block-size", "8", "--predictor", "exact", "--samples", "2",
+                 "--ppl-tokens", "16", "--agree-tokens", "8", "--out", str(out)]) == 0
+    rows = {r["setting"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["sparse K=64 B=8 exact"]["ppl_ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert rows["sparse K=64 B=8 exact"]["agreement"] == 1.0
+    assert rows["sparse K=4 B=8 exact"]["ppl_ratio"] != pytest.approx(1.0, abs=1e-6)
