@@ -185,10 +185,12 @@ def run_samples(engines: dict[str, object], samples: list[Sample], group: int,
         for name, engine in engines.items():
             requests = [requests_for(s, kv, agree_tokens) for s, kv in zip(chunk, kvs,
                                                                               strict=True)]
+            t0 = time.perf_counter()
             outs = decode_all(engine, list(itertools.chain(*requests)))
+            share = (time.perf_counter() - t0) / len(chunk)  # the group decodes as one batch
             at = 0
             for s, reqs in zip(chunk, requests, strict=True):
-                results[name].append(judge(s, outs[at:at + len(reqs)]))
+                results[name].append(judge(s, outs[at:at + len(reqs)]) | {"decode_s": share})
                 at += len(reqs)
         if bar is not None:
             bar.update(len(chunk))
@@ -202,6 +204,8 @@ def summarize(task: str, samples: list[Sample], results: dict[str, list[dict]]) 
     rows = []
     for name, per in results.items():
         row: dict = {"setting": name, "task": task, "samples": len(per)}
+        if all("decode_s" in r for r in per):
+            row["decode_s"] = sum(r["decode_s"] for r in per)
         if task == "ppl":
             nll = sum(r["nll"] for r in per) / len(per)
             row["ppl"] = math.exp(nll)
@@ -233,7 +237,7 @@ def summarize(task: str, samples: list[Sample], results: dict[str, list[dict]]) 
 COLUMNS = [("context", "context"), ("task", "task"), ("setting", "setting"),
            ("samples", "n"), ("accuracy", "accuracy"), ("delta_ci", "Δ dense (pts) [95% CI]"),
            ("ppl", "ppl"), ("ppl_ratio_ci", "ppl ratio [95% CI]"),
-           ("agreement", "greedy agreement")]
+           ("agreement", "greedy agreement"), ("decode_s", "decode s")]
 
 
 def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
@@ -286,7 +290,8 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
           f"difference; ppl over the last {args.ppl_tokens} tokens, teacher-forced through the "
           f"decode path; greedy agreement = share of the first {args.agree_tokens} greedy "
           f"tokens equal to dense's. Every prompt prefilled once (dense) and decoded by each "
-          f"setting. {elapsed:.0f} s.")
+          f"setting; decode s = the setting's wall time decoding them (settings in turn, on "
+          f"the same machine). {elapsed:.0f} s.")
     write_json(args.out, {"eval": "fidelity", "model": args.model, "tasks": tasks,
                           "contexts": contexts, "settings": [s.name for s in settings],
                           "samples": args.samples, "seed": args.seed, "drafter": args.drafter,

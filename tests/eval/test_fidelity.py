@@ -38,6 +38,7 @@ def test_all_tasks_in_one_run_and_full_k_sparse_equals_dense(model, tmp_path, ca
                                 "sparse K=64 previous", "sparse K=64 exact"]
     rows = {(r["task"], r["setting"]): r for r in data["rows"]}
     assert len(rows) == 3 * 5
+    assert all(r["decode_s"] > 0 for r in rows.values())
     for task in ("passkey", "needle"):
         for k in ("previous", "exact"):
             assert rows[(task, f"sparse K=64 {k}")]["delta"] == 0
