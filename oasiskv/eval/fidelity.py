@@ -1,7 +1,8 @@
 """`oasiskv eval passkey|needle|ppl|all`: full vs sparse attention on the same prompts, in one
 run, like the paper's Table 1.
 
-Settings: `dense` and every (predictor, K) of `sparse`; each gets its own engine. Every prompt
+Settings: `dense` and every (predictor, K, block size B, ...) of `sparse` (with
+--token-budget, K = budget / B); each gets its own engine. Every prompt
 is prefilled ONCE (dense attention, as every setting's prefill is) and its K/V handed to each
 setting's engine (`add_request(prefix_kv=)`); the engines then compute the last prompt token
 and decode, so settings differ only in how they decode.
