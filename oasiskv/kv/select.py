@@ -114,10 +114,21 @@ def select_capped_lru_batch(head_map: torch.Tensor, last_used: torch.Tensor,
     padded with -2 where a request has fewer than k blocks; caps [R] admissions per head."""
     hm, lu = head_map.transpose(1, 2), last_used.transpose(1, 2)  # [R, Hkv, K] views
     valid = predicted >= 0
-    same = hm[..., :, None] == predicted[..., None, :]  # [R, Hkv, K, k]
-    is_hit = same.any(dim=-1)  # [R, Hkv, K] slot holds a predicted block
-    is_miss = ~same.any(dim=-2) & valid  # [R, Hkv, k] predicted block not resident
-    hit_rank = (same * torch.arange(same.shape[-1])).sum(-1)  # [R, Hkv, K] (one match at most)
+    # Tables indexed by logical block instead of comparing every slot with every pick: at
+    # K = 512 the [K, k] comparison was a third of a decode step. Empty slots and padding
+    # point at one extra column, cleared before it is read.
+    size = int(torch.maximum(hm.max(), predicted.max())) + 2
+    none = size - 1
+    slot_blocks = torch.where(hm >= 0, hm, none)  # [R, Hkv, K]
+    picks = torch.where(valid, predicted, none)  # [R, Hkv, k]
+    rank_of = torch.full((*hm.shape[:2], size), -1, dtype=torch.long)  # [R, Hkv, size]
+    rank_of.scatter_(-1, picks, torch.arange(picks.shape[-1]).expand_as(picks).contiguous())
+    rank_of[..., none] = -1
+    hit_rank = rank_of.gather(-1, slot_blocks)  # [R, Hkv, K] rank of the slot's block, or -1
+    is_hit = hit_rank >= 0  # slot holds a predicted block
+    resident = torch.zeros_like(rank_of, dtype=torch.bool).scatter_(-1, slot_blocks, True)
+    resident[..., none] = False
+    is_miss = ~resident.gather(-1, picks) & valid  # [R, Hkv, k] predicted block not resident
     lu[...] = torch.where(is_hit, stamp(step, hit_rank), lu)
     miss_rank = torch.cumsum(is_miss, dim=-1) - 1  # order of each miss within its head
     admit = is_miss & (miss_rank < caps[:, None, None])

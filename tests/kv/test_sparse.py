@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 import oasiskv.engine.engine as engine_mod
 from oasiskv import LLM, SamplingParams
 from oasiskv.config import CacheConfig
-from oasiskv.kv.select import block_scores, insert_block, select_capped_lru, top_k_blocks
+from oasiskv.kv.select import (
+    block_scores,
+    insert_block,
+    select_capped_lru,
+    select_capped_lru_batch,
+    stamp,
+    top_k_blocks,
+)
 
 # ---------------------------------------------------------------- scoring and top-K
 
@@ -89,6 +96,60 @@ def test_capped_lru_selection_invariants(data):
             misses = [b for b in predicted[g].tolist() if b not in before[:, g].tolist()]
             assert sel.blocks[sel.heads == g].tolist() == misses[:admitted]
         assert len(sel.slots) == len(sel.heads) == len(sel.blocks)
+
+
+def reference_select(head_map, last_used, predicted, cap, step):
+    """select_capped_lru_batch for one request, head by head in plain Python."""
+    admitted = []
+    for g in range(head_map.shape[1]):
+        held = head_map[:, g].tolist()
+        picks = [b for b in predicted[g].tolist() if b >= 0]
+        for slot, b in enumerate(held):
+            if b in picks:
+                last_used[slot, g] = stamp(step, picks.index(b))
+        misses = [b for b in picks if b not in held][:cap]
+        # victims: empty slots first, then the least recently selected slots not predicted
+        free = sorted((slot for slot, b in enumerate(held) if b not in picks),
+                      key=lambda slot: -1 if held[slot] < 0 else int(last_used[slot, g]))
+        for slot, b in zip(free, misses, strict=False):
+            head_map[slot, g] = b
+            last_used[slot, g] = stamp(step, picks.index(b))
+            admitted.append((g, slot, b))
+    return admitted
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_batched_selection_equals_per_head_reference(data):
+    requests = data.draw(st.integers(1, 4), label="R")
+    k_slots, hkv = data.draw(st.integers(1, 10), label="K"), data.draw(st.integers(1, 3))
+    n_blocks = data.draw(st.integers(1, 30), label="blocks")
+    k = min(k_slots, n_blocks)
+    head_map = torch.full((requests, k_slots, hkv), -1, dtype=torch.long)
+    last_used = torch.zeros_like(head_map)
+    predicted = torch.full((requests, hkv, k), -2, dtype=torch.long)
+    for r in range(requests):
+        real = data.draw(st.integers(1, k), label="picks")  # the rest is padding
+        for g in range(hkv):
+            held = data.draw(st.lists(st.integers(0, n_blocks - 1), max_size=k_slots,
+                                      unique=True), label="held")
+            slots = data.draw(st.permutations(range(k_slots)), label="slots")[:len(held)]
+            head_map[r, slots, g] = torch.tensor(held, dtype=torch.long)
+            last_used[r, slots, g] = torch.tensor(
+                data.draw(st.lists(st.integers(0, 50), min_size=len(held), max_size=len(held))),
+                dtype=torch.long)
+            predicted[r, g, :real] = torch.tensor(
+                data.draw(st.permutations(range(n_blocks)), label="rank")[:real])
+    caps = torch.tensor(data.draw(st.lists(st.integers(1, k), min_size=requests,
+                                           max_size=requests), label="caps"))
+    want_map, want_used = head_map.clone(), last_used.clone()
+    want = [reference_select(want_map[r], want_used[r], predicted[r], int(caps[r]), 9)
+            for r in range(requests)]
+    sel = select_capped_lru_batch(head_map, last_used, predicted, caps, step=9)
+    assert torch.equal(head_map, want_map) and torch.equal(last_used, want_used)
+    got = list(zip(sel.requests.tolist(), sel.heads.tolist(), sel.slots.tolist(),
+                   sel.blocks.tolist(), strict=True))
+    assert sorted(got) == sorted((r, *a) for r, adm in enumerate(want) for a in adm)
 
 
 def test_a_filled_block_displaces_the_lowest_ranked_pick_of_the_step():
