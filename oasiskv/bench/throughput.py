@@ -197,11 +197,11 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
             if llamacpp is not None:
                 llamacpp.close()
     elapsed = time.perf_counter() - t_start
-    print(f"\n## throughput, {args.model}: device KV budget {args.device_kv_budget}, sparse "
-          f"K={args.top_k} f_hbm={args.f_hbm} {args.predictor}, {args.output_len} greedy tokens "
-          f"per request, all requests arriving at once; {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}, read bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s\n")
+    print(f"\n## throughput, {args.model} {args.dtype}: device KV budget "
+          f"{args.device_kv_budget}, sparse K={args.top_k} f_hbm={args.f_hbm} {args.predictor}, "
+          f"{args.output_len} greedy tokens per request, all requests arriving at once; "
+          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s\n")
     print(markdown_table(rows, COLUMNS))
     if len(f_hbms) > 1:
         print("\n### f_hbm ablation (sparse rows)\n")
@@ -223,5 +223,6 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                            "llamacpp_prefill_s": peer_prefill_s,
                            "threads": torch.get_num_threads(), "time_s": elapsed, "rows": rows})
     if args.plot:
-        plot(rows, args.plot, f"{args.model}: dense vs sparse, budget {args.device_kv_budget}")
+        plot(rows, args.plot, f"{args.model} {args.dtype}: dense vs sparse, "
+                              f"budget {args.device_kv_budget}")
     return rows
