@@ -14,7 +14,10 @@ Prefetch (lookahead/previous): after layer l's attention of step t the next step
 and fetch for layer l go to the prefetch pipeline as stages (predict, select, remote, local);
 blocks that step t completed enter the working sets as a per-layer fill job after the step.
 Layer l's attention of step t+1 first waits for layer l's jobs (and for nothing else). With
-`prefetch="sync"` the same stages run inline, so both modes compute the same thing.
+`prefetch="sync"` the same stages run inline, so both modes compute the same thing; on one
+node sync runs every layer's stages as one job at the step's end, batched over the layers (the
+selection of layer l only touches layer l's slots, so the result is the same, with 30 times
+fewer small tensor ops).
 """
 
 from __future__ import annotations
@@ -105,6 +108,8 @@ class SparseKV:
     # stage name -> hook(layer, requests) run at the start of that stage (tests: delays, faults)
     stage_hooks: dict[str, Callable[[int, list[Sequence]], None]] = field(default_factory=dict)
     _decodes: list[StepDecode] = field(default_factory=list)
+    # sync prefetch on one node: (layer, decodes, queries [R, H, d]) selected at the step's end
+    _deferred: list[tuple[int, list[StepDecode], torch.Tensor]] = field(default_factory=list)
     _batches: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = field(default_factory=dict)
     _pending: SparseCounters = field(default_factory=SparseCounters)  # jobs' counts
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -159,7 +164,7 @@ class SparseKV:
             self._reset([d.seq for d in self._decodes])
         self.step += 1
         self.last_step = SparseCounters()
-        self._decodes, self._batches = [], {}
+        self._decodes, self._batches, self._deferred = [], {}, []
         self._step_start, self._mark = time.perf_counter(), None
         for seq, attn in decodes:
             d = self._decode(seq, attn, seq.num_computed_tokens)
@@ -291,6 +296,7 @@ class SparseKV:
         get their summary, and enter every head's working set (one job per layer)."""
         B = self.cfg.block_size
         self._trace_layer(self.device_kv.shape[0] - 1)
+        self._select_deferred()  # before the fills: a filled block displaces the step's picks
         self._write_through([d for d in self._decodes if (d.pos + 1) % B])
         for d in self._decodes:
             if (d.pos + 1) % B == 0:
@@ -419,9 +425,9 @@ class SparseKV:
         for d in self._decodes:
             ws = d.seq.working_set
             if self.cfg.predictor in CRITICAL_PATH or not ws.primed[layer]:
-                picks.append((d, q[d.attn.q_start]))
+                picks.append((d, q[d.attn.q_start][None]))
         if picks:  # on the critical path, with the stages' error reporting and trace spans
-            job = SelectJob(self, layer, picks, self.step)
+            job = SelectJob(self, [layer], picks, self.step)
             inline = InlineExecutor()
             inline.tracer = self.pipeline.tracer
             for stage, fn in (("predict", job.predict), ("select", job.select),
@@ -461,11 +467,30 @@ class SparseKV:
         if len({len(r) for r in rows}) == 1:  # one gather for the batch (a copy: jobs keep it)
             queries = q[torch.tensor(rows, device=q.device)].mean(1)  # [R, H, d]
         else:
-            queries = [q[r].mean(0) for r in rows]
-        picks = list(zip(decodes, queries, strict=True))
+            queries = torch.stack([q[r].mean(0) for r in rows])
         for d in decodes:
             d.seq.working_set.primed[layer] = True
-        job = SelectJob(self, layer, picks, self.step)
-        self.pipeline.submit(layer, f"step {self.step}", [
+        if self.pipeline.executor.kind == "sync" and self.remote is None:
+            # inline anyway: every layer's selection runs as one job at the step's end
+            self._deferred.append((layer, decodes, queries))
+            return
+        self._submit_selection([layer], decodes, queries[:, None])
+
+    def _submit_selection(self, layers: list[int], decodes: list[StepDecode],
+                          queries: torch.Tensor) -> None:
+        """The next step's selection in `layers` (queries [R, layers, H, d]) as pipeline
+        stages."""
+        job = SelectJob(self, layers, list(zip(decodes, queries, strict=True)), self.step)
+        self.pipeline.submit(layers, f"step {self.step}", [
             ("predict", job.predict), ("select", job.select), ("remote", job.remote),
-            ("local", job.local)], [d.seq for d, _ in picks])
+            ("local", job.local)], [d.seq for d in decodes])
+
+    def _select_deferred(self) -> None:
+        """Sync prefetch: the step's deferred selections of every layer, as one job."""
+        if not self._deferred:
+            return
+        layers = [layer for layer, _, _ in self._deferred]
+        decodes = self._deferred[0][1]
+        queries = torch.stack([qs for _, _, qs in self._deferred], 1)  # [R, layers, H, d]
+        self._deferred = []
+        self._submit_selection(layers, decodes, queries)

@@ -20,14 +20,18 @@ class PrefetchPipeline:
         self._owners: dict[int, list] = {}  # layer -> requests its pending jobs touch
         self.stall_s = 0.0  # foreground time spent waiting, since the last take_stall()
 
-    def submit(self, layer: int, label: str, stages: list[tuple[str, Callable[[], None]]],
-               owners: list) -> None:
-        """Chains `stages` after whatever the layer still has pending."""
-        after = self._last.get(layer)
+    def submit(self, layers: int | list[int], label: str,
+               stages: list[tuple[str, Callable[[], None]]], owners: list) -> None:
+        """Chains `stages` after whatever the (first) layer still has pending; a job of several
+        layers (sync: run at once) is what each of them waits for."""
+        layers = [layers] if isinstance(layers, int) else layers
+        after = self._last.get(layers[0])
+        name = f"L{layers[0]}" if len(layers) == 1 else f"L{layers[0]}-{layers[-1]}"
         for stage, fn in stages:
-            after = self.executor.submit(stage, fn, after, f"L{layer} {label}")
-        self._last[layer] = after
-        self._owners.setdefault(layer, []).extend(owners)
+            after = self.executor.submit(stage, fn, after, f"{name} {label}")
+        for layer in layers:
+            self._last[layer] = after
+            self._owners.setdefault(layer, []).extend(owners)
 
     def wait(self, layer: int) -> None:
         """Blocks until the layer's pending chain is done; re-raises its failure with the

@@ -1,8 +1,9 @@
-"""The stages of one (layer, step) working-set selection for a batch's sparse requests:
-predict (scores + per-head top-K), select (capped LRU, head maps updated), remote (with a
-remote store: admitted blocks missing from the host caches, fetched in one call for the
-layer; on one node nothing to do), local (one gather host -> device slots). The pipeline runs
-them in order, inline or in workers; `kv/residency.py` creates them."""
+"""The stages of one step's working-set selection for a batch's sparse requests, in one layer
+or (sync prefetch on one node) in a run of layers at once: predict (scores + per-head top-K),
+select (capped LRU, head maps updated), remote (with a remote store: admitted blocks missing
+from the host caches, fetched in one call for the layer; on one node nothing to do), local (one
+gather host -> device slots). The pipeline runs them in order, inline or in workers;
+`kv/residency.py` creates them."""
 
 from __future__ import annotations
 
@@ -25,11 +26,19 @@ def pinned_blocks(lengths: torch.Tensor, n: int, sink: int, recent: int) -> torc
 
 
 class SelectJob:
-    """The four stages of one (layer, step) selection, batched over the requests."""
+    """The four stages of one step's selection in a run of layers, batched over the requests
+    and the layers: picks hold each request's queries [len(layers), H, d]. Batching the layers
+    (sync prefetch) turns 30 rounds of small tensor ops into one; a remote store's fetch is
+    per layer, so its jobs hold one layer."""
 
-    def __init__(self, kv: SparseKV, layer: int, picks: list[tuple[StepDecode, torch.Tensor]],
-                 step: int) -> None:
-        self.kv, self.layer, self.step = kv, layer, step
+    def __init__(self, kv: SparseKV, layers: list[int],
+                 picks: list[tuple[StepDecode, torch.Tensor]], step: int) -> None:
+        if layers != list(range(layers[0], layers[0] + len(layers))):
+            raise ValueError(f"a selection's layers must be one run, got {layers}")
+        if kv.remote is not None and len(layers) > 1:
+            raise ValueError("with a remote store a selection holds one layer")
+        self.kv, self.layers, self.step = kv, layers, step
+        self.run = slice(layers[0], layers[-1] + 1)
         # only requests with complete blocks select; working sets captured now (a request
         # may end, and drop its working set, while the job runs)
         self.picks = [(d, q) for d, q in picks if len(d.summary_ids)]
@@ -40,12 +49,14 @@ class SelectJob:
             self.ids, self.lengths, self.slabs = kv.batch_tensors([d for d, _ in self.picks])
         self.predicted = None
         self.requests = self.blocks = None  # [A] admissions: request, logical block
+        self.layer_of = None  # [A] admission's layer, as an index into `layers`
         self.heads = self.dst = self.src = None  # [A] KV head, device token slot, host slot
 
     def _hook(self, stage: str) -> None:
         hook = self.kv.stage_hooks.get(stage)
         if hook is not None:
-            hook(self.layer, [d.seq for d, _ in self.picks])
+            for layer in self.layers:
+                hook(layer, [d.seq for d, _ in self.picks])
 
     def predict(self) -> None:
         """Scores every request's complete blocks with its query; per-head top-K."""
@@ -55,53 +66,59 @@ class SelectJob:
         kv, K = self.kv, self.kv.cfg.top_k
         n = self.ids.shape[1]
         scores = (self._attention_mass(n) if kv.cfg.predictor == "oracle"
-                  else self._summary_scores(n))  # [R, Hkv, n]
+                  else self._summary_scores(n))  # [layers, R, Hkv, n]
         if kv.cfg.sink_blocks or kv.cfg.recent_blocks:
             scores.masked_fill_(pinned_blocks(self.lengths, n, kv.cfg.sink_blocks,
                                               kv.cfg.recent_blocks)[:, None, :], float("inf"))
-        top = torch.topk(scores, min(K, n), dim=-1, sorted=True).indices  # [R, Hkv, k]
+        top = torch.topk(scores, min(K, n), dim=-1, sorted=True).indices  # [layers, R, Hkv, k]
         real = torch.arange(top.shape[-1]) < self.lengths.clamp(max=K)[:, None]  # [R, k]
         self.predicted = top.masked_fill(~real[:, None, :], -2)
 
     def _summary_scores(self, n: int) -> torch.Tensor:
-        """Each request's block scores over its complete blocks' summaries: [R, Hkv, n], -inf
-        past a request's blocks."""
-        kv = self.kv
-        kmin, kmax = kv.kmin[self.layer], kv.kmax[self.layer]  # [summary ids, Hkv, d]
-        w_max, w_min = summary_weights(torch.stack([q for _, q in self.picks]), kmin.shape[1],
-                                       kv.cfg.score_alpha)  # [R, Hkv, d]
-        stride = self._summary_stride(n, kmin.shape[0])
+        """Each request's block scores over its complete blocks' summaries in each layer:
+        [layers, R, Hkv, n], -inf past a request's blocks."""
+        kv, R = self.kv, len(self.picks)
+        kmin, kmax = kv.kmin[self.run], kv.kmax[self.run]  # [layers, summary ids, Hkv, d]
+        w_max, w_min = summary_weights(torch.stack([q for _, q in self.picks], 1),
+                                       kmin.shape[2], kv.cfg.score_alpha)  # [layers, R, Hkv, d]
+        stride = self._summary_stride(n, kmin.shape[1])
         if stride:  # equal strides: the batch's summaries are one view, scored in one call
             first = self.picks[0][0].summary_start
-            shape, inner = (len(self.picks), n, *kmin.shape[1:]), kmin.stride(0)
-            lo, hi = (x.as_strided(shape, (stride * inner, *x.stride()),
+            shape, inner = (len(self.layers), R, n, *kmin.shape[2:]), kmin.stride(1)
+            lo, hi = (x.as_strided(shape, (x.stride(0), stride * inner, *x.stride()[1:]),
                                    x.storage_offset() + first * inner) for x in (kmin, kmax))
-            scores = weighted_scores(lo, hi, w_max, w_min)
+            # layer by layer: one layer's summaries stay in cache, all layers' would not
+            scores = torch.stack([weighted_scores(*x) for x in zip(lo, hi, w_max, w_min,
+                                                                  strict=True)])
             past = torch.arange(n)[None, :] >= self.lengths[:, None]  # another request's
             return scores.masked_fill_(past[:, None, :], float("-inf"))
-        scores = torch.full((len(self.picks), kmin.shape[1], n), float("-inf"))
+        scores = torch.full((len(self.layers), R, kmin.shape[2], n), float("-inf"))
         for r, (d, _) in enumerate(self.picks):
             if d.summary_start is not None:  # one run of summaries: a view, no gather
                 run = slice(d.summary_start, d.summary_start + len(d.summary_ids))
-                lo, hi = kmin[run], kmax[run]
+                lo, hi = kmin[:, run], kmax[:, run]
             else:
-                lo = kmin.index_select(0, d.summary_ids)
-                hi = kmax.index_select(0, d.summary_ids)
-            scores[r, :, :len(d.summary_ids)] = weighted_scores(lo, hi, w_max[r], w_min[r])
+                lo = kmin.index_select(1, d.summary_ids)
+                hi = kmax.index_select(1, d.summary_ids)
+            scores[:, r, :, :len(d.summary_ids)] = weighted_scores(lo, hi, w_max[:, r],
+                                                                   w_min[:, r])
         return scores
 
     def _attention_mass(self, n: int) -> torch.Tensor:
         """oracle: each complete block's share of the step's true attention (over complete
-        blocks), summed over the KV head's query heads: [R, Hkv, n], -inf past a request's
-        blocks. Reads every key from the host tier (one node: a summary id is a host block)."""
+        blocks), summed over the KV head's query heads: [layers, R, Hkv, n], -inf past a
+        request's blocks. Reads every key from the host tier (one node: a summary id is a host
+        block)."""
         kv, B = self.kv, self.kv.cfg.block_size
-        keys = kv.host_kv[self.layer][0]  # [Hkv, host slots, d]
-        hkv = keys.shape[0]
-        scores = torch.full((len(self.picks), hkv, n), float("-inf"))
-        for r, (d, q) in enumerate(self.picks):
-            slots = (d.summary_ids[:, None] * B + torch.arange(B)).flatten()
-            mass = block_mass(q, keys.index_select(1, slots), kv.scales[self.layer], B)
-            scores[r, :, :len(d.summary_ids)] = mass.view(hkv, -1, len(d.summary_ids)).sum(1)
+        hkv = kv.host_kv.shape[2]
+        scores = torch.full((len(self.layers), len(self.picks), hkv, n), float("-inf"))
+        for j, layer in enumerate(self.layers):
+            keys = kv.host_kv[layer][0]  # [Hkv, host slots, d]
+            for r, (d, q) in enumerate(self.picks):
+                slots = (d.summary_ids[:, None] * B + torch.arange(B)).flatten()
+                mass = block_mass(q[j], keys.index_select(1, slots), kv.scales[layer], B)
+                scores[j, r, :, :len(d.summary_ids)] = mass.view(hkv, -1, len(d.summary_ids)
+                                                                 ).sum(1)
         return scores
 
     def _summary_stride(self, n: int, num_ids: int) -> int:
@@ -120,22 +137,27 @@ class SelectJob:
         self._hook("select")
         if self.predicted is None:
             return
-        kv, layer, K = self.kv, self.layer, self.kv.cfg.top_k
+        kv, K, R = self.kv, self.kv.cfg.top_k, len(self.picks)
         wss = self.working_sets
-        head_map = torch.stack([ws.head_map[layer] for ws in wss])  # [R, K, Hkv]
-        last_used = torch.stack([ws.last_used[layer] for ws in wss])
+        # (layer, request) pairs are the batch: [layers, R, K, Hkv], flattened as views
+        head_map = torch.stack([ws.head_map[self.run] for ws in wss], 1)
+        last_used = torch.stack([ws.last_used[self.run] for ws in wss], 1)
         k = self.predicted.shape[-1]
-        caps = torch.tensor([kv.fetch_cap if ws.seeded[layer] else k for ws in wss])
-        sel = select_capped_lru_batch(head_map, last_used, self.predicted, caps, self.step)
+        caps = torch.tensor([[kv.fetch_cap if ws.seeded[layer] else k for ws in wss]
+                             for layer in self.layers])  # [layers, R]
+        sel = select_capped_lru_batch(head_map.flatten(0, 1), last_used.flatten(0, 1),
+                                      self.predicted.flatten(0, 1), caps.flatten(), self.step)
         for i, ws in enumerate(wss):
-            ws.head_map[layer], ws.last_used[layer] = head_map[i], last_used[i]
-            ws.seeded[layer] = ws.seeded[layer] or int(self.lengths[i]) > K
-            if self.caches[i] is not None:  # the host cache's LRU follows the selections
-                self.caches[i].touch(layer, self.predicted[i].flatten(), self.step)
+            ws.head_map[self.run], ws.last_used[self.run] = head_map[:, i], last_used[:, i]
+            for j, layer in enumerate(self.layers):
+                ws.seeded[layer] = ws.seeded[layer] or int(self.lengths[i]) > K
+                if self.caches[i] is not None:  # the host cache's LRU follows the selections
+                    self.caches[i].touch(layer, self.predicted[j, i].flatten(), self.step)
         kv._count(predicted=int(sel.predicted.sum()), hits=int(sel.hits.sum()),
                   wanted=int(sel.wanted.sum()), admitted=len(sel.slots))
-        self.requests, self.blocks, self.heads = sel.requests, sel.blocks, sel.heads
-        self.dst = self.slabs[sel.requests, sel.slots]
+        self.layer_of, self.requests = sel.requests // R, sel.requests % R
+        self.blocks, self.heads = sel.blocks, sel.heads
+        self.dst = self.slabs[self.requests, sel.slots]
 
     def remote(self) -> None:
         """Where each admission's block is on the host. One node: its host block is its
@@ -145,7 +167,7 @@ class SelectJob:
         self._hook("remote")
         if self.heads is None or len(self.heads) == 0:
             return
-        kv, layer = self.kv, self.layer
+        kv, layer = self.kv, self.layers[0]  # with a remote store, the job's one layer
         if kv.remote is None:
             self.src = self.ids[self.requests, self.blocks] * kv.cfg.block_size
             return
@@ -164,7 +186,7 @@ class SelectJob:
             mine = self.requests == r
             host[mine] = cache.where[layer, self.blocks[mine]]
         ok = host >= 0  # -1: the fetch failed
-        self.heads, self.dst = self.heads[ok], self.dst[ok]
+        self.layer_of, self.heads, self.dst = self.layer_of[ok], self.heads[ok], self.dst[ok]
         self.src = host[ok] * kv.cfg.block_size
 
     def local(self) -> None:
@@ -174,7 +196,7 @@ class SelectJob:
             return
         kv, B = self.kv, self.kv.cfg.block_size
         arange_b = torch.arange(B)
-        h = self.heads[:, None]
-        kv.device_kv[self.layer][:, h, self.dst[:, None] + arange_b] = \
-            kv.host_kv[self.layer][:, h, self.src[:, None] + arange_b]
+        layer, h = (self.layer_of + self.layers[0])[:, None], self.heads[:, None]  # [A, 1]
+        kv.device_kv[layer, :, h, self.dst[:, None] + arange_b] = \
+            kv.host_kv[layer, :, h, self.src[:, None] + arange_b]
         kv._count(h2d_bytes=len(self.heads) * kv.block_bytes_per_head)
