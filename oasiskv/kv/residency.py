@@ -16,8 +16,8 @@ blocks that step t completed enter the working sets as a per-layer fill job afte
 Layer l's attention of step t+1 first waits for layer l's jobs (and for nothing else). With
 `prefetch="sync"` the same stages run inline, so both modes compute the same thing; on one
 node sync runs every layer's stages as one job at the step's end, batched over the layers (the
-selection of layer l only touches layer l's slots, so the result is the same, with 30 times
-fewer small tensor ops).
+selection of layer l only touches layer l's slots, so the result is the same, with one round of
+small tensor ops per step instead of one per layer).
 """
 
 from __future__ import annotations
