@@ -392,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--temperature", type=float, default=0.0,
                      help="> 0: follow a trajectory sampled at this temperature (seeded)")
     rec.add_argument("--seed", type=int, default=0, help="sampling seed of the trajectory")
+    rec.add_argument("--rerank", type=float, default=0.0,
+                     help="c >= 1: also lookahead rows whose best c*K blocks by summary score "
+                     "are re-ranked by the draft query's attention over their keys")
     rec.add_argument("--block-size", type=int, default=16, help="tokens per block (B)")
     rec.add_argument("--dtype", default="float32")
     rec.add_argument("--num-threads", type=int, default=None)
@@ -415,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="sparse: resident tokens per KV head instead of --top-k: K = "
                          "budget / B for each --block-size (e.g. 512,2048 with --block-size "
                          "16,8 compares finer blocks at K=32's and K=128's budgets)")
+        fid.add_argument("--rerank", default="0",
+                         help="sparse: re-rank the best c*K blocks by true attention over their "
+                         "host keys (values of c to compare, e.g. 0,2; 0 = off)")
         fid.add_argument("--sink-blocks", default="0",
                          help="sparse: first blocks always kept (values to compare, e.g. 0,4)")
         fid.add_argument("--recent-blocks", default="0",

@@ -151,6 +151,11 @@ class CacheConfig:
         "Quest/FreeKV keep recent tokens); part of top_k")
     score_alpha: float = _field(
         1.0, "sparse: block score q.c + alpha*|q|.r over the min/max key summary (1 = Quest)")
+    rerank: float = _field(
+        0.0, "sparse: 0 (off) or c >= 1: the best c*top_k blocks by summary score are re-ranked "
+        "by the predicting query's true attention over their keys in the host tier (reads "
+        "c*top_k*block_size keys per KV head, layer and step; off the critical path with "
+        "lookahead or previous; one node only)")
     prefetch: str = _field(
         "sync", "sparse: async runs each layer's next-step selection and fetch in the "
         "background (worker threads on CPU, CUDA streams on GPU); sync runs them inline "
@@ -214,6 +219,12 @@ class CacheConfig:
                              f"{sorted(set(_DTYPES))}")
         if self.score_alpha < 0:
             raise ValueError(f"score_alpha must be >= 0, got {self.score_alpha}")
+        if self.rerank != 0 and not self.rerank >= 1:
+            raise ValueError(f"rerank must be 0 (off) or >= 1 (candidates per top_k block), "
+                             f"got {self.rerank}")
+        if self.rerank and self.predictor == "oracle":
+            raise ValueError("rerank re-ranks summary scores; predictor=oracle has none (it "
+                             "ranks every block by attention already)")
         self._check_remote()
 
     def _check_remote(self) -> None:
@@ -226,6 +237,9 @@ class CacheConfig:
                              "sits under the sparse mode's host tier)")
         if spec != "none" and self.predictor == "oracle":
             raise ValueError("predictor=oracle reads every key of the host tier, which holds "
+                             f"only part of the history with remote_store={spec!r}")
+        if spec != "none" and self.rerank:
+            raise ValueError("rerank reads its candidates' keys from the host tier, which holds "
                              f"only part of the history with remote_store={spec!r}")
         parse_bytes(self.remote_lend)
         if not 0 < self.f_host <= 1:

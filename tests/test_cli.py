@@ -54,6 +54,7 @@ TYPED = [
     ("draft_model", "some/dir", "some/dir"),
     ("speculative", "accept", "accept"),
     ("score_alpha", "0.5", 0.5),
+    ("rerank", "1.5", 1.5),
     ("summary_dtype", "float16", "float16"),
     ("sink_blocks", "2", 2),
     ("recent_blocks", "1", 1),

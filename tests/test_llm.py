@@ -48,6 +48,7 @@ FIELD_VALUES = {
     "speculative": ("accept", lambda e, _: e.config.spec.speculative == "accept"),
     "draft_model": (None, lambda e, _: e.config.spec.draft_model is None),
     "score_alpha": (0.5, lambda e, _: e.config.cache.score_alpha == 0.5),
+    "rerank": (2.0, lambda e, _: e.config.cache.rerank == 2.0),
     "summary_dtype": ("float16", lambda e, _: e.config.cache.summary_dtype == "float16"),
     "sink_blocks": (2, lambda e, _: e.config.cache.sink_blocks == 2),
     "recent_blocks": (1, lambda e, _: e.config.cache.recent_blocks == 1),

@@ -57,6 +57,7 @@ class Setting:
     recent_blocks: int = 0
     f_hbm: float | str = DEFAULT_F_HBM
     block_size: int = DEFAULT_BLOCK_SIZE
+    rerank: float = 0.0
 
     @property
     def name(self) -> str:
@@ -66,21 +67,23 @@ class Setting:
                                                        (self.recent_blocks, "recent")) if n)
         cap = "" if self.f_hbm == DEFAULT_F_HBM else f" f_hbm={self.f_hbm}"
         block = "" if self.block_size == DEFAULT_BLOCK_SIZE else f" B={self.block_size}"
-        return f"sparse K={self.top_k}{block} {self.predictor}{pins}{cap}"
+        rerank = f" rerank={self.rerank:g}" if self.rerank else ""
+        return f"sparse K={self.top_k}{block} {self.predictor}{rerank}{pins}{cap}"
 
     def engine_kwargs(self) -> dict:
         if self.kv_mode == "dense":
             return {"kv_mode": "dense"}
         return {"kv_mode": "sparse", "predictor": self.predictor, "top_k": self.top_k,
                 "sink_blocks": self.sink_blocks, "recent_blocks": self.recent_blocks,
-                "f_hbm": self.f_hbm, "block_size": self.block_size}
+                "f_hbm": self.f_hbm, "block_size": self.block_size, "rerank": self.rerank}
 
 
 def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
                   sinks: tuple[int, ...] = (0,), recents: tuple[int, ...] = (0,),
                   f_hbms: tuple[float | str, ...] = (DEFAULT_F_HBM,),
                   block_sizes: tuple[int, ...] = (DEFAULT_BLOCK_SIZE,),
-                  token_budgets: tuple[int, ...] = ()) -> list[Setting]:
+                  token_budgets: tuple[int, ...] = (),
+                  reranks: tuple[float, ...] = (0.0,)) -> list[Setting]:
     """dense, then every sparse combination. With token budgets, K = budget / B for each block
     size B instead of top_ks: finer blocks at the same resident tokens."""
     bad = [m for m in kv_modes if m not in ("dense", "sparse")]
@@ -93,9 +96,10 @@ def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
                              f"{uneven[0]} tokens")
     out = [Setting("dense")] if "dense" in kv_modes else []
     if "sparse" in kv_modes:
-        out += [Setting("sparse", p, k, s, r, f, b) for b in block_sizes
+        out += [Setting("sparse", p, k, s, r, f, b, c) for b in block_sizes
                 for k in ([t // b for t in token_budgets] or top_ks)
-                for s in sinks for r in recents for f in f_hbms for p in predictors]
+                for s in sinks for r in recents for f in f_hbms for p in predictors
+                for c in reranks]
     return out
 
 
@@ -252,7 +256,8 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
                              parse_list(args.top_k), parse_list(args.sink_blocks),
                              parse_list(args.recent_blocks), parse_f_hbms(args.f_hbm),
                              parse_list(args.block_size),
-                             parse_list(args.token_budget) if args.token_budget else ())
+                             parse_list(args.token_budget) if args.token_budget else (),
+                             parse_list(args.rerank, float))
     if args.samples <= 0:
         raise ValueError(f"--samples must be positive, got {args.samples}")
     base = {"model": args.model, "dtype": args.dtype, "drafter": args.drafter}

@@ -23,6 +23,8 @@ The predictions made at step t are scored at step t+1 against E_{t+1}:
   that of the true top-K by x_{t+1}'s attention mass (the query heads of g summed: the
   engine's `oracle` predictor), whose recall is its overlap with E_{t+1}: the gap between the
   two rows is what the Quest bound costs, the rest of the missing mass is the budget K;
+- with --rerank c, `lookahead rerank=c` rows: each drafter's best c*K blocks by Quest score,
+  re-ranked by the draft query's softmax attention over their keys (the engine's `rerank`);
 - draft accuracy: the share of steps whose draft was x_{t+1};
 - churn (on the `exact` row): |E_{t+1} \\ E_t| / K, mean and p90 over (prompt, step, layer, KV
   head).
@@ -49,6 +51,7 @@ import dataclasses
 import re
 import time
 from dataclasses import dataclass, field
+from math import ceil
 
 import torch
 from tqdm.auto import tqdm
@@ -60,7 +63,7 @@ from oasiskv.data.austen import austen_text
 from oasiskv.engine.sequence import Sequence
 from oasiskv.eval.metrics import block_mass, captured_mass, churn, membership, recall
 from oasiskv.kv.blocks import is_contiguous
-from oasiskv.kv.select import block_scores, top_k_blocks
+from oasiskv.kv.select import block_scores, rerank_by_mass, top_k_blocks
 from oasiskv.kv.summaries import summarize
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.spec.drafters import Drafter, make_drafter
@@ -109,6 +112,11 @@ def paragraph_prompt(tokenizer, text: str, offset: int, length: int) -> tuple[in
 RowKey = tuple[int, str, str]  # (K, predictor, drafter)
 
 
+def reranked(c: float) -> str:
+    """The predictor name of lookahead rows re-ranked over c*K candidates (`kv.select`)."""
+    return f"lookahead rerank={c:g}"
+
+
 @dataclass
 class Totals:
     """Sums over (prompt, scored step) per layer, and the samples the percentiles need."""
@@ -142,8 +150,10 @@ class RecallProbe:
 
     def __init__(self, model, device_kv: torch.Tensor, seq: Sequence, block_size: int,
                  top_ks: list[int], previous: bool, totals: Totals,
-                 draft_context: str = "sparse", record: bool = False) -> None:
+                 draft_context: str = "sparse", record: bool = False,
+                 rerank: float = 0.0) -> None:
         self.seq, self.device_kv, self.block = seq, device_kv, block_size
+        self.rerank = rerank
         self.top_ks, self.kmax_k = sorted(top_ks), max(top_ks)
         self.previous, self.totals, self.record = previous, totals, record
         self.draft_context = draft_context
@@ -229,9 +239,15 @@ class RecallProbe:
             return
         n_next = (self.pos + 1) // self.block
         kmin, kmax = self.kmin[layer, :n_next], self.kmax[layer, :n_next]
+        keys = self.keys(layer, 0, n_next * self.block).unflatten(1, (n_next, self.block))
+        heads = torch.arange(keys.shape[0])[:, None]
         for (k, drafter), row in self.draft_rows.items():
-            self.pending[layer][(k, "lookahead", drafter)] = top_k_blocks(
-                block_scores(q[row], kmin, kmax), k)
+            scores = block_scores(q[row], kmin, kmax)
+            self.pending[layer][(k, "lookahead", drafter)] = top_k_blocks(scores, k)
+            if self.rerank:
+                mass = rerank_by_mass(scores, q[row], lambda c: keys[heads, c].flatten(1, 2),
+                                      self.scales[layer], self.block, ceil(self.rerank * k))
+                self.pending[layer][(k, reranked(self.rerank), drafter)] = top_k_blocks(mass, k)
 
     def _score(self, layer: int, q: torch.Tensor, exact: dict[int, torch.Tensor],
                n: int) -> None:
@@ -263,6 +279,7 @@ class RecallSpec:
     sync_start: bool = False  # step 0's drafts are the true x_1 (chains start in sync)
     temperature: float = 0.0  # > 0: the trajectory is sampled (seeded), not greedy
     seed: int = 0
+    rerank: float = 0.0  # > 0: lookahead rows re-ranked over rerank*K candidates too
 
     def __post_init__(self) -> None:
         bad = [p for p in self.predictors if p not in PREDICTORS]
@@ -283,6 +300,8 @@ class RecallSpec:
             raise ValueError(f"steps must be positive, got {self.steps}")
         if self.draft_context not in ("sparse", "dense"):
             raise ValueError(f"draft context must be sparse or dense, got {self.draft_context}")
+        if self.rerank != 0 and not self.rerank >= 1:
+            raise ValueError(f"rerank must be 0 (off) or >= 1, got {self.rerank}")
 
     @property
     def lookahead_drafters(self) -> list[str]:
@@ -386,7 +405,8 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
         trajectory = greedy_trajectory(engine, seq, spec.steps + 1) if follow else None
         probe = RecallProbe(engine.runner.model, engine.runner.device_kv, seq,
                             engine.config.cache.block_size, spec.top_ks,
-                            "previous" in spec.predictors, totals, spec.draft_context, record)
+                            "previous" in spec.predictors, totals, spec.draft_context, record,
+                            spec.rerank)
         probe.prefill_summaries(p)
         keys = [(k, d) for k in spec.top_ks for d in spec.lookahead_drafters]
         last_logits: dict[tuple[int, str], torch.Tensor] = {}
@@ -446,6 +466,8 @@ def summarize_totals(totals: Totals, spec: RecallSpec) -> list[dict]:
         keys = [(k, "exact", ""), (k, "oracle", "")]
         keys += [(k, "previous", "")] if "previous" in spec.predictors else []
         keys += [(k, "lookahead", d) for d in spec.lookahead_drafters]
+        if spec.rerank:
+            keys += [(k, reranked(spec.rerank), d) for d in spec.lookahead_drafters]
         for key in keys:
             if key not in totals.recall:
                 continue
@@ -455,7 +477,7 @@ def summarize_totals(totals: Totals, spec: RecallSpec) -> list[dict]:
                    "mass": float((totals.mass[key] / scored).mean()),
                    "per_layer_recall": per_layer,
                    "per_layer_mass": (totals.mass[key] / scored).tolist()}
-            if key[1] == "lookahead":
+            if key[1].startswith("lookahead"):
                 row["draft_accuracy"] = totals.draft_hits.get((k, key[2]), 0) / max(
                     totals.draft_steps, 1)
             if key[1] == "exact" and totals.churn.get(k):
@@ -536,7 +558,7 @@ def run_recall_eval(args: argparse.Namespace) -> list[dict]:
     spec = RecallSpec(top_ks=parse_list(args.top_k), predictors=parse_list(args.predictor, str),
                       drafters=parse_list(args.drafter, str), steps=args.steps,
                       draft_context=args.draft_context, sync_start=args.sync_start,
-                      temperature=args.temperature, seed=args.seed)
+                      temperature=args.temperature, seed=args.seed, rerank=args.rerank)
     kwargs = {"model": args.model, "dtype": args.dtype, "kv_mode": "dense",
               "block_size": args.block_size}
     if args.num_threads:
@@ -565,7 +587,7 @@ def run_recall_eval(args: argparse.Namespace) -> list[dict]:
                "context": args.context, "steps": spec.steps, "block_size": args.block_size,
                "top_k": spec.top_ks, "predictors": spec.predictors, "drafters": spec.drafters,
                "draft_context": spec.draft_context, "sync_start": spec.sync_start,
-               "temperature": spec.temperature, "seed": spec.seed,
+               "temperature": spec.temperature, "seed": spec.seed, "rerank": spec.rerank,
                "num_layers": cfg.num_layers,
                "threads": torch.get_num_threads(), "greedy_mismatches": totals.greedy_mismatches,
                "time_s": elapsed, "prompts": result["prompts"], "rows": rows}

@@ -104,7 +104,7 @@ class SparseKV:
     forward_s: float = 0.0  # f_hbm=auto: moving estimate of a decode step's forward time
     frozen: bool = False  # benchmarks: no prefetch at all once seeded (working sets frozen)
     remote: RemoteTier | None = None  # the remote store under bounded host caches, if any
-    scales: list[float] = field(default_factory=list)  # per layer: attention scale (oracle)
+    scales: list[float] = field(default_factory=list)  # per layer: attention scale (oracle, rerank)
     # stage name -> hook(layer, requests) run at the start of that stage (tests: delays, faults)
     stage_hooks: dict[str, Callable[[int, list[Sequence]], None]] = field(default_factory=dict)
     _decodes: list[StepDecode] = field(default_factory=list)

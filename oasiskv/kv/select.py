@@ -6,6 +6,7 @@ one selection path and tests can compare each step with a brute-force reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,25 @@ def block_mass(q: torch.Tensor, keys: torch.Tensor, scale: float,
     probs = torch.softmax(torch.matmul(qg, keys.float().transpose(1, 2)) * scale, dim=-1)
     return probs.view(hkv, qg.shape[1], t // block_size, block_size).sum(-1).reshape(q.shape[0],
                                                                                      -1)
+
+
+def rerank_by_mass(scores: torch.Tensor, q: torch.Tensor, keys_of: Callable[[torch.Tensor],
+                   torch.Tensor], scale: float, block_size: int, c: int) -> torch.Tensor:
+    """Scores [..., Hkv, n] -> the best c blocks of each KV head re-scored by q's softmax
+    attention over their keys, summed over the block and the head's query heads (the mass
+    the `oracle` ranks by, within the candidates); -inf elsewhere and for candidates that were
+    -inf (past a request's blocks). q [..., H, d]; keys_of(candidates [..., Hkv, c]) returns
+    their keys [..., Hkv, c*B, d]. A summary bound is loose; the keys are not."""
+    top = torch.topk(scores, min(c, scores.shape[-1]), dim=-1)  # [..., Hkv, c]
+    keys = keys_of(top.indices).float()
+    hkv, d = keys.shape[-3], keys.shape[-1]
+    qg = q.reshape(*q.shape[:-2], hkv, -1, d).float()  # [..., Hkv, G, d]
+    logits = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [..., Hkv, G, c*B]
+    real = (top.values > float("-inf")).repeat_interleave(block_size, dim=-1)
+    probs = torch.softmax(logits.masked_fill(~real[..., None, :], float("-inf")), dim=-1)
+    mass = probs.unflatten(-1, (-1, block_size)).sum((-3, -1))  # [..., Hkv, c]
+    mass = mass.masked_fill(top.values == float("-inf"), float("-inf"))
+    return torch.full_like(scores, float("-inf")).scatter_(-1, top.indices, mass)
 
 
 def top_k_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:

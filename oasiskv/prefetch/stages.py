@@ -7,11 +7,19 @@ gather host -> device slots). The pipeline runs them in order, inline or in work
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from oasiskv.kv.select import block_mass, select_capped_lru_batch, summary_weights, weighted_scores
+from oasiskv.kv.select import (
+    block_mass,
+    rerank_by_mass,
+    select_capped_lru_batch,
+    summary_weights,
+    weighted_scores,
+)
 
 if TYPE_CHECKING:
     from oasiskv.kv.residency import SparseKV, StepDecode
@@ -75,9 +83,15 @@ class SelectJob:
         n = self.ids.shape[1]
         scores = (self._attention_mass(n) if kv.cfg.predictor == "oracle"
                   else self._summary_scores(n))  # [layers, R, Hkv, n]
+        pinned = None
         if kv.cfg.sink_blocks or kv.cfg.recent_blocks:
-            scores.masked_fill_(pinned_blocks(self.lengths, n, kv.cfg.sink_blocks,
-                                              kv.cfg.recent_blocks)[:, None, :], float("inf"))
+            pinned = pinned_blocks(self.lengths, n, kv.cfg.sink_blocks,
+                                   kv.cfg.recent_blocks)[:, None, :]  # [R, 1, n]
+            scores.masked_fill_(pinned, float("inf"))
+        if kv.cfg.rerank:
+            scores = self._rerank(scores)
+            if pinned is not None:
+                scores.masked_fill_(pinned, float("inf"))
         top = torch.topk(scores, min(K, n), dim=-1, sorted=True).indices  # [layers, R, Hkv, k]
         real = torch.arange(top.shape[-1]) < self.lengths.clamp(max=K)[:, None]  # [R, k]
         self.predicted = top.masked_fill(~real[:, None, :], -2)
@@ -109,6 +123,27 @@ class SelectJob:
             scores[:, r, :, :len(d.summary_ids)] = scores_by_layer(lo, hi, w_max[:, r],
                                                                    w_min[:, r])
         return scores
+
+    def _rerank(self, scores: torch.Tensor) -> torch.Tensor:
+        """The best rerank*K blocks by summary score, re-scored by the predicting query's
+        attention over their keys in the host tier (one node: a summary id is a host block),
+        layer by layer: [layers, R, Hkv, n]."""
+        kv, B = self.kv, self.kv.cfg.block_size
+        c = math.ceil(kv.cfg.rerank * kv.cfg.top_k)
+        queries = torch.stack([q for _, q in self.picks], 1)  # [layers, R, H, d]
+        heads = torch.arange(scores.shape[2])[None, :, None]
+        ids = self.ids[:, None, :].expand(-1, scores.shape[2], -1)  # [R, Hkv, n]
+
+        def keys_of(layer: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            def gather(candidates: torch.Tensor) -> torch.Tensor:  # [R, Hkv, c]
+                host = ids.gather(-1, candidates)
+                slots = (host[..., None] * B + torch.arange(B)).flatten(-2)  # [R, Hkv, c*B]
+                return kv.host_kv[layer, 0][heads, slots]  # [R, Hkv, c*B, d]
+            return gather
+
+        return torch.stack([rerank_by_mass(scores[j], queries[j], keys_of(layer),
+                                           kv.scales[layer], B, c)
+                            for j, layer in enumerate(self.layers)])
 
     def _attention_mass(self, n: int) -> torch.Tensor:
         """oracle: each complete block's share of the step's true attention (over complete

@@ -93,7 +93,14 @@ def test_pinned_block_settings_are_their_own_columns():
         "sparse K=32 exact +4 sink +2 recent"]
     assert settings[-1].engine_kwargs() == {"kv_mode": "sparse", "predictor": "exact",
                                             "top_k": 32, "sink_blocks": 4, "recent_blocks": 2,
-                                            "f_hbm": 0.05, "block_size": 16}
+                                            "f_hbm": 0.05, "block_size": 16, "rerank": 0.0}
+
+
+def test_rerank_settings_are_their_own_columns():
+    settings = settings_from(["sparse"], ["lookahead"], [128], reranks=[0.0, 2.0])
+    assert [s.name for s in settings] == ["sparse K=128 lookahead",
+                                          "sparse K=128 lookahead rerank=2"]
+    assert [s.engine_kwargs()["rerank"] for s in settings] == [0.0, 2.0]
 
 
 def test_admission_caps_are_their_own_columns():

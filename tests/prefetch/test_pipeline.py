@@ -43,10 +43,11 @@ def run_staggered(llm: LLM, ids: list[list[int]], params=GREEDY) -> dict:
     return outs
 
 
-@pytest.mark.parametrize("predictor", ["lookahead", "previous", "exact"])
-def test_async_and_sync_give_the_same_tokens_and_traffic(model, predictor):
-    kw = dict(kv_mode="sparse", top_k=3, f_hbm=0.34, predictor=predictor, max_num_seqs=3,
-              max_num_batched_tokens=64)
+@pytest.mark.parametrize("predictor, rerank", [("lookahead", 0), ("previous", 0), ("exact", 0),
+                                               ("lookahead", 2)])
+def test_async_and_sync_give_the_same_tokens_and_traffic(model, predictor, rerank):
+    kw = dict(kv_mode="sparse", top_k=3, f_hbm=0.34, predictor=predictor, rerank=rerank,
+              max_num_seqs=3, max_num_batched_tokens=64)
     got = {}
     for mode in ("sync", "async"):
         llm = LLM(model, prefetch=mode, **kw)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from oasiskv import LLM, SamplingParams
+from oasiskv.config import CacheConfig
 from oasiskv.kv.blocks import BlockPool
 from oasiskv.prefetch.stages import SelectJob
 
@@ -90,3 +91,85 @@ def test_oracle_working_sets_are_the_true_top_k_by_attention_mass(tiny_llama, mo
     assert [o.finish_reason for o in outs] == ["length", "length"]
     assert all(all(c[:-1]) for c in checked)
     assert max(c[-1] for c in checked) > top_k  # selection had a choice to make
+
+
+def quest_order(q: torch.Tensor, keys: torch.Tensor, B: int) -> torch.Tensor:
+    """Hand-computed Quest ranking: per KV head, blocks by the sum over the group's query
+    heads of sum_d max(q*kmin, q*kmax), best first. [Hkv, n]."""
+    hkv, t, d = keys.shape
+    blocks = keys.view(hkv, t // B, B, d)
+    kmin, kmax = blocks.amin(2), blocks.amax(2)  # [Hkv, n, d]
+    qg = q.view(hkv, -1, 1, d)  # [Hkv, G, 1, d]
+    score = torch.maximum(qg * kmin[:, None], qg * kmax[:, None]).sum((1, 3))  # [Hkv, n]
+    return score.argsort(dim=-1, descending=True)
+
+
+@pytest.mark.parametrize("rerank, sink", [(2, 0), (1.5, 1)])
+def test_rerank_keeps_the_candidates_with_the_most_attention_mass(tiny_llama, monkeypatch,
+                                                                  rerank, sink):
+    """exact + rerank: each head's working set is the top-K by the step's attention mass
+    among Quest's best rerank*K blocks (a pinned sink block always stays)."""
+    top_k, B = 3, 16
+    llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=top_k, f_hbm=1.0, prefetch="sync",
+              predictor="exact", rerank=rerank, sink_blocks=sink, max_num_seqs=2)
+    sparse = llm.engine.sparse
+    prepare = type(sparse).prepare_layer
+    checked = []
+    c = int(rerank * top_k + 0.999)
+
+    def check(self, layer, q):
+        prepare(self, layer, q)  # selects for this step, on the critical path
+        for d in self._decodes:
+            n = d.pos // B  # complete blocks
+            slots = torch.tensor([b * B + i for b in d.seq.host_table[:n] for i in range(B)])
+            keys = self.host_kv[layer, 0][:, slots]  # [Hkv, n*B, d]
+            hkv = keys.shape[0]
+            qd = q[d.attn.q_start]
+            order = quest_order(qd, keys, B).tolist()
+            held = d.seq.working_set.head_map[layer]  # [K, Hkv]
+            pins = list(range(min(sink, n)))
+            ok = []
+            for g in range(hkv):  # pinned blocks take candidate places first
+                cand = pins + [b for b in order[g] if b not in pins][:c - len(pins)]
+                tok = torch.tensor([b * B + i for b in cand for i in range(B)])
+                qg = qd.view(hkv, -1, keys.shape[-1])[g]  # [G, d]
+                probs = torch.softmax(qg @ keys[g, tok].T * self.scales[layer], dim=-1)
+                mass = probs.view(len(qg), len(cand), B).sum((0, 2))
+                ranked = [cand[i] for i in mass.argsort(descending=True).tolist()]
+                want = pins + [b for b in ranked if b not in pins][:min(top_k, n) - len(pins)]
+                ok.append(sorted(b for b in held[:, g].tolist() if b >= 0) == sorted(want))
+            # recorded, not asserted here: the engine turns an exception into a failed request
+            checked.append(ok + [n])
+
+    monkeypatch.setattr(type(sparse), "prepare_layer", check)
+    prompts = [[(5 * i + 11 * j) % 250 + 3 for j in range(190 + 7 * i)] for i in range(2)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert all(all(ch[:-1]) for ch in checked)
+    assert max(ch[-1] for ch in checked) > c  # more blocks than candidates: a real filter
+
+
+def test_rerank_over_every_block_selects_like_the_oracle(tiny_llama):
+    """With rerank*K at least the number of blocks, every block is a candidate: exact +
+    rerank ranks by the same attention mass as the oracle predictor, so tokens are equal."""
+    prompts = [[(3 * i + 7 * j) % 250 + 3 for j in range(150 + 9 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(kv_mode="sparse", top_k=2, f_hbm=1.0, prefetch="sync", max_num_seqs=3)
+    oracle = LLM(str(tiny_llama), predictor="oracle", **kw).generate(prompts, params,
+                                                                     use_tqdm=False)
+    rerank = LLM(str(tiny_llama), predictor="exact", rerank=8, **kw).generate(prompts, params,
+                                                                             use_tqdm=False)
+    exact = LLM(str(tiny_llama), predictor="exact", **kw).generate(prompts, params,
+                                                                   use_tqdm=False)
+    assert [o.token_ids for o in rerank] == [o.token_ids for o in oracle]
+    assert [o.token_ids for o in exact] != [o.token_ids for o in oracle]  # the test can fail
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(rerank=0.5), "rerank must be 0"), (dict(rerank=-1), "rerank must be 0"),
+    (dict(rerank=2, predictor="oracle"), "predictor=oracle has none"),
+])
+def test_bad_rerank_is_a_clear_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CacheConfig(kv_mode="sparse", **kwargs)
