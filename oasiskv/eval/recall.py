@@ -239,12 +239,13 @@ class RecallProbe:
             return
         n_next = (self.pos + 1) // self.block
         kmin, kmax = self.kmin[layer, :n_next], self.kmax[layer, :n_next]
-        keys = self.keys(layer, 0, n_next * self.block).unflatten(1, (n_next, self.block))
-        heads = torch.arange(keys.shape[0])[:, None]
+        if self.rerank:
+            keys = self.keys(layer, 0, n_next * self.block).unflatten(1, (n_next, self.block))
+            heads = torch.arange(keys.shape[0])[:, None]
         for (k, drafter), row in self.draft_rows.items():
             scores = block_scores(q[row], kmin, kmax)
             self.pending[layer][(k, "lookahead", drafter)] = top_k_blocks(scores, k)
-            if self.rerank:
+            if self.rerank:  # candidates [Hkv, c] -> their keys [Hkv, c*B, d]
                 mass = rerank_by_mass(scores, q[row], lambda c: keys[heads, c].flatten(1, 2),
                                       self.scales[layer], self.block, ceil(self.rerank * k))
                 self.pending[layer][(k, reranked(self.rerank), drafter)] = top_k_blocks(mass, k)
