@@ -72,13 +72,15 @@ def rerank_by_mass(scores: torch.Tensor, q: torch.Tensor, keys_of: Callable[[tor
     -inf (past a request's blocks). q [..., H, d]; keys_of(candidates [..., Hkv, c]) returns
     their keys [..., Hkv, c*B, d]. A summary bound is loose; the keys are not."""
     top = torch.topk(scores, min(c, scores.shape[-1]), dim=-1)  # [..., Hkv, c]
-    keys = keys_of(top.indices).float()
+    keys = keys_of(top.indices)
     hkv, d = keys.shape[-3], keys.shape[-1]
-    qg = q.reshape(*q.shape[:-2], hkv, -1, d).float()  # [..., Hkv, G, d]
-    logits = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [..., Hkv, G, c*B]
+    qg = q.reshape(*q.shape[:-2], hkv, -1, d).to(keys.dtype)  # [..., Hkv, G, d]
+    # keys as the long side of the product, in their own dtype (as attention computes its
+    # scores): on CPU 3x faster than [G, d] x [d, c*B] in fp32
+    logits = torch.matmul(keys, qg.transpose(-1, -2)).float() * scale  # [..., Hkv, c*B, G]
     real = (top.values > float("-inf")).repeat_interleave(block_size, dim=-1)
-    probs = torch.softmax(logits.masked_fill(~real[..., None, :], float("-inf")), dim=-1)
-    mass = probs.unflatten(-1, (-1, block_size)).sum((-3, -1))  # [..., Hkv, c]
+    probs = torch.softmax(logits.masked_fill(~real[..., None], float("-inf")), dim=-2)
+    mass = probs.unflatten(-2, (-1, block_size)).sum((-2, -1))  # [..., Hkv, c]
     mass = mass.masked_fill(top.values == float("-inf"), float("-inf"))
     return torch.full_like(scores, float("-inf")).scatter_(-1, top.indices, mass)
 
