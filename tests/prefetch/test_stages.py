@@ -60,10 +60,11 @@ def test_side_by_side_batch_equals_requests_placed_apart(tiny_llama, monkeypatch
         assert stats[key] == ref_stats[key], key
 
 
-def test_oracle_working_sets_are_the_true_top_k_by_attention_mass(tiny_llama, monkeypatch):
-    top_k, B = 3, 16
-    llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=top_k, f_hbm=1.0, prefetch="sync",
-              predictor="oracle", max_num_seqs=2)
+def checked_selections(llm: LLM, monkeypatch, verify) -> list[list]:
+    """Decodes two requests with a critical-path predictor; after each layer's selection,
+    verify(held [K, Hkv], q [H, d], keys [Hkv, n*B, d], scale) compares every KV head's working
+    set with a hand-computed one. Returns [per-head results..., n] per (step, layer, request)."""
+    B = llm.engine.config.cache.block_size
     sparse = llm.engine.sparse
     prepare = type(sparse).prepare_layer
     checked = []
@@ -74,21 +75,36 @@ def test_oracle_working_sets_are_the_true_top_k_by_attention_mass(tiny_llama, mo
             n = d.pos // B  # complete blocks
             slots = torch.tensor([b * B + i for b in d.seq.host_table[:n] for i in range(B)])
             keys = self.host_kv[layer, 0][:, slots]  # [Hkv, n*B, d]
-            hkv = keys.shape[0]
-            qg = q[d.attn.q_start].view(hkv, -1, keys.shape[-1])  # [Hkv, G, d]
-            probs = torch.softmax(qg @ keys.transpose(1, 2) * self.scales[layer], dim=-1)
-            mass = probs.view(hkv, qg.shape[1], n, B).sum((1, 3))  # [Hkv, n]
-            want = mass.topk(min(top_k, n), dim=-1).indices
-            held = d.seq.working_set.head_map[layer]  # [K, Hkv]
             # recorded, not asserted here: the engine turns an exception into a failed request
-            checked.append([sorted(b for b in held[:, g].tolist() if b >= 0)
-                            == sorted(want[g].tolist()) for g in range(hkv)] + [n])
+            checked.append(verify(d.seq.working_set.head_map[layer], q[d.attn.q_start], keys,
+                                  self.scales[layer]) + [n])
 
     monkeypatch.setattr(type(sparse), "prepare_layer", check)
     prompts = [[(5 * i + 11 * j) % 250 + 3 for j in range(190 + 7 * i)] for i in range(2)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                         use_tqdm=False)
     assert [o.finish_reason for o in outs] == ["length", "length"]
+    return checked
+
+
+def held_blocks(held: torch.Tensor, g: int) -> list[int]:
+    return sorted(b for b in held[:, g].tolist() if b >= 0)
+
+
+def test_oracle_working_sets_are_the_true_top_k_by_attention_mass(tiny_llama, monkeypatch):
+    top_k, B = 3, 16
+    llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=top_k, f_hbm=1.0, prefetch="sync",
+              predictor="oracle", max_num_seqs=2)
+
+    def verify(held, q, keys, scale):
+        hkv, t, _ = keys.shape
+        qg = q.view(hkv, -1, keys.shape[-1])  # [Hkv, G, d]
+        probs = torch.softmax(qg @ keys.transpose(1, 2) * scale, dim=-1)
+        mass = probs.view(hkv, qg.shape[1], t // B, B).sum((1, 3))  # [Hkv, n]
+        want = mass.topk(min(top_k, t // B), dim=-1).indices
+        return [held_blocks(held, g) == sorted(want[g].tolist()) for g in range(hkv)]
+
+    checked = checked_selections(llm, monkeypatch, verify)
     assert all(all(c[:-1]) for c in checked)
     assert max(c[-1] for c in checked) > top_k  # selection had a choice to make
 
@@ -112,40 +128,26 @@ def test_rerank_keeps_the_candidates_with_the_most_attention_mass(tiny_llama, mo
     top_k, B = 3, 16
     llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=top_k, f_hbm=1.0, prefetch="sync",
               predictor="exact", rerank=rerank, sink_blocks=sink, max_num_seqs=2)
-    sparse = llm.engine.sparse
-    prepare = type(sparse).prepare_layer
-    checked = []
     c = int(rerank * top_k + 0.999)
 
-    def check(self, layer, q):
-        prepare(self, layer, q)  # selects for this step, on the critical path
-        for d in self._decodes:
-            n = d.pos // B  # complete blocks
-            slots = torch.tensor([b * B + i for b in d.seq.host_table[:n] for i in range(B)])
-            keys = self.host_kv[layer, 0][:, slots]  # [Hkv, n*B, d]
-            hkv = keys.shape[0]
-            qd = q[d.attn.q_start]
-            order = quest_order(qd, keys, B).tolist()
-            held = d.seq.working_set.head_map[layer]  # [K, Hkv]
-            pins = list(range(min(sink, n)))
-            ok = []
-            for g in range(hkv):  # pinned blocks take candidate places first
-                cand = pins + [b for b in order[g] if b not in pins][:c - len(pins)]
-                tok = torch.tensor([b * B + i for b in cand for i in range(B)])
-                qg = qd.view(hkv, -1, keys.shape[-1])[g]  # [G, d]
-                probs = torch.softmax(qg @ keys[g, tok].T * self.scales[layer], dim=-1)
-                mass = probs.view(len(qg), len(cand), B).sum((0, 2))
-                ranked = [cand[i] for i in mass.argsort(descending=True).tolist()]
-                want = pins + [b for b in ranked if b not in pins][:min(top_k, n) - len(pins)]
-                ok.append(sorted(b for b in held[:, g].tolist() if b >= 0) == sorted(want))
-            # recorded, not asserted here: the engine turns an exception into a failed request
-            checked.append(ok + [n])
+    def verify(held, q, keys, scale):
+        hkv, t, d = keys.shape
+        n = t // B
+        order = quest_order(q, keys, B).tolist()
+        pins = list(range(min(sink, n)))
+        ok = []
+        for g in range(hkv):  # pinned blocks take candidate places first
+            cand = pins + [b for b in order[g] if b not in pins][:c - len(pins)]
+            tok = torch.tensor([b * B + i for b in cand for i in range(B)])
+            qg = q.view(hkv, -1, d)[g]  # [G, d]
+            probs = torch.softmax(qg @ keys[g, tok].T * scale, dim=-1)
+            mass = probs.view(len(qg), len(cand), B).sum((0, 2))
+            ranked = [cand[i] for i in mass.argsort(descending=True).tolist()]
+            want = pins + [b for b in ranked if b not in pins][:min(top_k, n) - len(pins)]
+            ok.append(held_blocks(held, g) == sorted(want))
+        return ok
 
-    monkeypatch.setattr(type(sparse), "prepare_layer", check)
-    prompts = [[(5 * i + 11 * j) % 250 + 3 for j in range(190 + 7 * i)] for i in range(2)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                        use_tqdm=False)
-    assert [o.finish_reason for o in outs] == ["length", "length"]
+    checked = checked_selections(llm, monkeypatch, verify)
     assert all(all(ch[:-1]) for ch in checked)
     assert max(ch[-1] for ch in checked) > c  # more blocks than candidates: a real filter
 
