@@ -57,7 +57,7 @@ import torch
 from tqdm.auto import tqdm
 
 from oasiskv.bench.common import markdown_table, parse_list, pyplot, save_figure, write_json
-from oasiskv.config import SpecConfig, head_dir
+from oasiskv.config import CacheConfig, SpecConfig, head_dir
 from oasiskv.context import SeqAttention, set_context
 from oasiskv.data.austen import austen_text
 from oasiskv.engine.sequence import Sequence
@@ -301,8 +301,7 @@ class RecallSpec:
             raise ValueError(f"steps must be positive, got {self.steps}")
         if self.draft_context not in ("sparse", "dense"):
             raise ValueError(f"draft context must be sparse or dense, got {self.draft_context}")
-        if self.rerank != 0 and not self.rerank >= 1:
-            raise ValueError(f"rerank must be 0 (off) or >= 1, got {self.rerank}")
+        CacheConfig(rerank=self.rerank)  # raises on a bad value
 
     @property
     def lookahead_drafters(self) -> list[str]:
