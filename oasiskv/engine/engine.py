@@ -437,8 +437,11 @@ class LLMEngine:
                  draft_features: torch.Tensor | None = None) -> None:
         """Appends the step's token(s) to a request and prepares its next drafts."""
         if draft_row is not None:
+            right = seq.draft_tokens[0] == token
             self.counters["drafts"] += 1
-            self.counters["drafts_right"] += seq.draft_tokens[0] == token
+            self.counters["drafts_right"] += right
+            seq.metrics.num_drafts += 1
+            seq.metrics.num_drafts_right += right
         self._append(seq, token, now)
         if accepted and not seq.is_finished:
             # The first draft was this token: its K/V (computed as a draft row) is kept and

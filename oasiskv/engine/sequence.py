@@ -26,6 +26,13 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_drafts: int = 0  # steps whose draft row guessed this request's next token
+    num_drafts_right: int = 0  # ... and guessed it right
+
+    @property
+    def draft_accuracy(self) -> float | None:
+        """Share of the drafts that were the next token (None without drafts)."""
+        return self.num_drafts_right / self.num_drafts if self.num_drafts else None
 
     @property
     def ttft(self) -> float | None:
@@ -49,7 +56,8 @@ class RequestMetrics:
                 "ttft_s": self.ttft, "tpot_s": self.tpot,
                 "e2e_s": None if self.finish_time is None
                 else self.finish_time - self.arrival_time,
-                "preemptions": self.num_preemptions}
+                "preemptions": self.num_preemptions, "drafts": self.num_drafts,
+                "draft_accuracy": self.draft_accuracy}
 
 
 @dataclass

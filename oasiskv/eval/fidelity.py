@@ -173,10 +173,13 @@ def judge(sample: Sample, outs: list) -> dict:
     for o in outs:
         if o.finish_reason == "error":
             raise RuntimeError(f"sample {sample.kind}/{sample.seed} failed: {o.error}")
+    # the drafts behind the figure: the scored continuation's (ppl) or the answer's
+    m = outs[0].metrics
+    drafts = {"drafts": m.num_drafts, "drafts_right": m.num_drafts_right}
     if sample.task == "ppl":
         nll = -sum(outs[0].logprobs) / len(outs[0].logprobs)
-        return {"nll": nll, "tokens": outs[1].token_ids}
-    return {"score": score(sample.task_obj, outs[0].text), "output": outs[0].text}
+        return {"nll": nll, "tokens": outs[1].token_ids} | drafts
+    return {"score": score(sample.task_obj, outs[0].text), "output": outs[0].text} | drafts
 
 
 def run_samples(engines: dict[str, object], samples: list[Sample], group: int,
@@ -211,6 +214,9 @@ def summarize(task: str, samples: list[Sample], results: dict[str, list[dict]]) 
         row: dict = {"setting": name, "task": task, "samples": len(per)}
         if all("decode_s" in r for r in per):
             row["decode_s"] = sum(r["decode_s"] for r in per)
+        drafts = sum(r.get("drafts", 0) for r in per)
+        if drafts:
+            row["draft_right"] = sum(r["drafts_right"] for r in per) / drafts
         if task == "ppl":
             nll = sum(r["nll"] for r in per) / len(per)
             row["ppl"] = math.exp(nll)
@@ -242,7 +248,8 @@ def summarize(task: str, samples: list[Sample], results: dict[str, list[dict]]) 
 COLUMNS = [("context", "context"), ("task", "task"), ("setting", "setting"),
            ("samples", "n"), ("accuracy", "accuracy"), ("delta_ci", "Δ dense (pts) [95% CI]"),
            ("ppl", "ppl"), ("ppl_ratio_ci", "ppl ratio [95% CI]"),
-           ("agreement", "greedy agreement"), ("decode_s", "decode s")]
+           ("agreement", "greedy agreement"), ("draft_right", "draft right"),
+           ("decode_s", "decode s")]
 
 
 def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
@@ -295,9 +302,11 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
           f"for both settings): an interval that holds 0 (Δ) or 1 (ratio) is no measured "
           f"difference; ppl over the last {args.ppl_tokens} tokens, teacher-forced through the "
           f"decode path; greedy agreement = share of the first {args.agree_tokens} greedy "
-          f"tokens equal to dense's. Every prompt prefilled once (dense) and decoded by each "
-          f"setting; decode s = the setting's wall time decoding them (settings in turn, on "
-          f"the same machine). {elapsed:.0f} s.")
+          f"tokens equal to dense's; draft right = share of the drafts that were the next "
+          f"token (ppl: of the scored continuation, where the next token is the text's, not "
+          f"the model's guess; else: of the answer). Every prompt prefilled once (dense) "
+          f"and decoded by each setting; decode s = the setting's wall time decoding them "
+          f"(settings in turn, on the same machine). {elapsed:.0f} s.")
     write_json(args.out, {"eval": "fidelity", "model": args.model, "tasks": tasks,
                           "contexts": contexts, "settings": [s.name for s in settings],
                           "samples": args.samples, "seed": args.seed, "drafter": args.drafter,

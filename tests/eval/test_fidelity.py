@@ -9,6 +9,7 @@ import pytest
 from conftest import build_model_dir
 
 from oasiskv.cli import main
+from oasiskv.engine.sequence import RequestMetrics
 from oasiskv.eval.fidelity import Sample, judge, make_samples, settings_from, summarize
 from oasiskv.eval.tasks import make_task
 from oasiskv.models.loader import load_checkpoint
@@ -71,14 +72,17 @@ def test_judge_scores_hand_made_answers(tokenizer):
                     task_obj=task)
     a, b, c, d = task.answers
 
-    def out(text):
-        return SimpleNamespace(text=text, finish_reason="length", error=None)
+    def out(text, drafts=0, right=0):
+        metrics = RequestMetrics(0.0, num_drafts=drafts, num_drafts_right=right)
+        return SimpleNamespace(text=text, finish_reason="length", error=None, metrics=metrics)
 
     assert judge(sample, [out(f"{a}, {b}, {c} and {d}.")])["score"] == 1.0
     assert judge(sample, [out(f"They are {a} and {int(b):,}")])["score"] == 0.5
     assert judge(sample, [out("none")])["score"] == 0.0
-    rows = summarize("needle", [sample], {"dense": [{"score": 1.0}], "sparse": [{"score": 0.5}]})
-    assert rows[1]["accuracy"] == 50.0 and rows[1]["delta"] == -50.0
+    sparse = [judge(sample, [out(f"{a} {b}", 4, 3)]), judge(sample, [out("none", 6, 1)])]
+    rows = summarize("needle", [sample] * 2, {"dense": [{"score": 1.0}] * 2, "sparse": sparse})
+    assert rows[1]["accuracy"] == 25.0 and rows[1]["delta"] == -75.0
+    assert rows[1]["draft_right"] == 4 / 10 and "draft_right" not in rows[0]
 
 
 def test_bad_settings_are_clear_errors():

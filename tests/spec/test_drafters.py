@@ -68,6 +68,9 @@ def test_every_predictor_and_drafter_equals_dense_when_k_covers_all(tiny_llama, 
     if predictor == "lookahead":  # every decode step has its draft row (from ngram at first)
         assert stats["drafts"] == sum(len(o.token_ids) - 1 for o in sparse)
         assert 0 <= stats["drafts_right"] <= stats["drafts"]
+        # each request counts its own drafts
+        assert [o.metrics.num_drafts for o in sparse] == [len(o.token_ids) - 1 for o in sparse]
+        assert sum(o.metrics.num_drafts_right for o in sparse) == stats["drafts_right"]
     else:
         assert stats["drafts"] == 0
 
@@ -84,6 +87,7 @@ def test_model_drafter_with_the_target_as_its_own_draft_is_always_right(tiny_lla
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     stats = llm.stats()
     assert stats["drafts"] > 0 and stats["drafts_right"] == stats["drafts"]
+    assert [o.metrics.draft_accuracy for o in spec] == [1.0, 1.0]
     assert not llm.engine.drafter.seqs  # finished requests released their draft KV
     assert llm.engine.drafter.engine.pool.num_used == 0
 
