@@ -421,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
         fid.add_argument("--rerank", default="0",
                          help="sparse: re-rank the best c*K blocks by true attention over their "
                          "host keys (values of c to compare, e.g. 0,2; 0 = off)")
+        fid.add_argument("--forced-drafts", default="known",
+                         help="ppl with lookahead: the teacher-forced next token is the draft "
+                         "(known) and/or the drafter guesses it (guessed; values to compare)")
         fid.add_argument("--sink-blocks", default="0",
                          help="sparse: first blocks always kept (values to compare, e.g. 0,4)")
         fid.add_argument("--recent-blocks", default="0",

@@ -259,6 +259,7 @@ class CacheConfig:
 
 
 SPECULATIVE = ("off", "accept")
+FORCED_DRAFTS = ("known", "guessed")
 
 
 @dataclass
@@ -276,6 +277,9 @@ class SpecConfig:
     speculative: str = _field(
         "off", "accept: verify the first draft and keep it when right, so a step can emit two "
         "tokens (rejection sampling keeps the output distribution unchanged)")
+    forced_drafts: str = _field(
+        "known", "a request with forced tokens (teacher forcing): known = its next forced token "
+        "is the draft (the engine knows it); guessed = the drafter guesses it, as in generation")
 
     def __post_init__(self) -> None:
         head = head_dir(self.drafter)
@@ -291,6 +295,9 @@ class SpecConfig:
                              ".gguf file sharing the target's tokenizer)")
         if self.num_drafts <= 0:
             raise ValueError(f"num_drafts must be positive, got {self.num_drafts}")
+        if self.forced_drafts not in FORCED_DRAFTS:
+            raise ValueError(f"forced_drafts must be one of {FORCED_DRAFTS}, "
+                             f"got {self.forced_drafts!r}")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {SPECULATIVE}, "
                              f"got {self.speculative!r}")

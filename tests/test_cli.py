@@ -53,6 +53,7 @@ TYPED = [
     ("num_drafts", "2", 2),
     ("draft_model", "some/dir", "some/dir"),
     ("speculative", "accept", "accept"),
+    ("forced_drafts", "guessed", "guessed"),
     ("score_alpha", "0.5", 0.5),
     ("rerank", "1.5", 1.5),
     ("summary_dtype", "float16", "float16"),

@@ -46,6 +46,7 @@ FIELD_VALUES = {
     "drafter": ("ngram", lambda e, _: e.config.spec.drafter == "ngram"),
     "num_drafts": (2, lambda e, _: e.config.spec.num_drafts == 2),
     "speculative": ("accept", lambda e, _: e.config.spec.speculative == "accept"),
+    "forced_drafts": ("guessed", lambda e, _: e.config.spec.forced_drafts == "guessed"),
     "draft_model": (None, lambda e, _: e.config.spec.draft_model is None),
     "score_alpha": (0.5, lambda e, _: e.config.cache.score_alpha == 0.5),
     "rerank": (2.0, lambda e, _: e.config.cache.rerank == 2.0),

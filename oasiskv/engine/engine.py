@@ -464,6 +464,11 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - a draft is a hint, never a failure
             log.warning("drafter failed for request %s: %r", seq.request_id, e)
             seq.draft_tokens = []
+        forced = self._forced(seq)
+        if forced is not None and self.config.spec.forced_drafts == "known":
+            # teacher forcing: the next token is known, so the lookahead need not guess it
+            others = [t for t in seq.draft_tokens if t != forced]
+            seq.draft_tokens = [forced, *others][:self.config.spec.num_drafts]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
                 drafts: dict[int, torch.Tensor | None]) -> list[tuple[int | Exception, bool]]:

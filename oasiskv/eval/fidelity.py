@@ -33,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from oasiskv.bench.common import markdown_table, parse_f_hbms, parse_list, write_json
-from oasiskv.config import CacheConfig
+from oasiskv.config import FORCED_DRAFTS, CacheConfig
 from oasiskv.data.austen import NOVELS, austen_text
 from oasiskv.eval.metrics import paired_bootstrap_ci
 from oasiskv.eval.recall import paragraph_prompt
@@ -58,6 +58,7 @@ class Setting:
     f_hbm: float | str = DEFAULT_F_HBM
     block_size: int = DEFAULT_BLOCK_SIZE
     rerank: float = 0.0
+    forced_drafts: str = "known"  # ppl with lookahead: the text's next token, or a guess
 
     @property
     def name(self) -> str:
@@ -68,14 +69,16 @@ class Setting:
         cap = "" if self.f_hbm == DEFAULT_F_HBM else f" f_hbm={self.f_hbm}"
         block = "" if self.block_size == DEFAULT_BLOCK_SIZE else f" B={self.block_size}"
         rerank = f" rerank={self.rerank:g}" if self.rerank else ""
-        return f"sparse K={self.top_k}{block} {self.predictor}{rerank}{pins}{cap}"
+        guessed = " guessed drafts" if self.forced_drafts == "guessed" else ""
+        return f"sparse K={self.top_k}{block} {self.predictor}{rerank}{guessed}{pins}{cap}"
 
     def engine_kwargs(self) -> dict:
         if self.kv_mode == "dense":
             return {"kv_mode": "dense"}
         return {"kv_mode": "sparse", "predictor": self.predictor, "top_k": self.top_k,
                 "sink_blocks": self.sink_blocks, "recent_blocks": self.recent_blocks,
-                "f_hbm": self.f_hbm, "block_size": self.block_size, "rerank": self.rerank}
+                "f_hbm": self.f_hbm, "block_size": self.block_size, "rerank": self.rerank,
+                "forced_drafts": self.forced_drafts}
 
 
 def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
@@ -83,12 +86,16 @@ def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
                   f_hbms: tuple[float | str, ...] = (DEFAULT_F_HBM,),
                   block_sizes: tuple[int, ...] = (DEFAULT_BLOCK_SIZE,),
                   token_budgets: tuple[int, ...] = (),
-                  reranks: tuple[float, ...] = (0.0,)) -> list[Setting]:
+                  reranks: tuple[float, ...] = (0.0,),
+                  forced_drafts: tuple[str, ...] = ("known",)) -> list[Setting]:
     """dense, then every sparse combination. With token budgets, K = budget / B for each block
-    size B instead of top_ks: finer blocks at the same resident tokens."""
+    size B instead of top_ks: finer blocks at the same resident tokens. Only lookahead drafts,
+    so the other predictors take one forced_drafts value."""
     bad = [m for m in kv_modes if m not in ("dense", "sparse")]
     if bad or not kv_modes:
         raise ValueError(f"--kv-mode takes dense and/or sparse, got {kv_modes}")
+    if not forced_drafts or any(d not in FORCED_DRAFTS for d in forced_drafts):
+        raise ValueError(f"--forced-drafts takes known and/or guessed, got {forced_drafts}")
     for budget in token_budgets:
         uneven = [b for b in block_sizes if budget % b]
         if uneven:
@@ -96,10 +103,11 @@ def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
                              f"{uneven[0]} tokens")
     out = [Setting("dense")] if "dense" in kv_modes else []
     if "sparse" in kv_modes:
-        out += [Setting("sparse", p, k, s, r, f, b, c) for b in block_sizes
+        out += [Setting("sparse", p, k, s, r, f, b, c, d) for b in block_sizes
                 for k in ([t // b for t in token_budgets] or top_ks)
                 for s in sinks for r in recents for f in f_hbms for p in predictors
-                for c in reranks]
+                for c in reranks
+                for d in (forced_drafts if p == "lookahead" else forced_drafts[:1])]
     return out
 
 
@@ -264,7 +272,8 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
                              parse_list(args.recent_blocks), parse_f_hbms(args.f_hbm),
                              parse_list(args.block_size),
                              parse_list(args.token_budget) if args.token_budget else (),
-                             parse_list(args.rerank, float))
+                             parse_list(args.rerank, float),
+                             parse_list(args.forced_drafts, str))
     if args.samples <= 0:
         raise ValueError(f"--samples must be positive, got {args.samples}")
     base = {"model": args.model, "dtype": args.dtype, "drafter": args.drafter}

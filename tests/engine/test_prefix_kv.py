@@ -75,6 +75,23 @@ def test_forced_tokens_score_a_continuation_like_transformers(tiny_llama, mode):
     torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=1e-4)
 
 
+def test_forced_tokens_are_the_lookahead_drafts_unless_guessed(tiny_llama):
+    """Teacher forcing knows the next token: by default it is the draft, so every draft is
+    right; forced_drafts="guessed" has the drafter guess it, as in generation."""
+    text = prompts(1, 100)[0]
+    prompt, cont = text[:64], text[64:]
+    params = SamplingParams(temperature=0, max_tokens=len(cont), ignore_eos=True,
+                            logprobs=True, forced_tokens=cont)
+    sparse = dict(kv_mode="sparse", top_k=2, predictor="lookahead")
+    known, guessed = (LLM(str(tiny_llama), **sparse, forced_drafts=d).generate(
+        [prompt], params, use_tqdm=False)[0] for d in ("known", "guessed"))
+    assert known.token_ids == guessed.token_ids == cont
+    assert known.metrics.num_drafts == len(cont) - 1  # every decode step drafted
+    assert known.metrics.draft_accuracy == 1.0
+    assert guessed.metrics.draft_accuracy < 0.5  # random tokens: rarely guessed
+    assert known.logprobs != guessed.logprobs  # the draft's query chose other blocks
+
+
 def test_forced_tokens_are_validated(tiny_llama):
     with pytest.raises(ValueError, match="exceed max_tokens"):
         SamplingParams(max_tokens=2, forced_tokens=[5, 6, 7])

@@ -97,7 +97,8 @@ def test_pinned_block_settings_are_their_own_columns():
         "sparse K=32 exact +4 sink +2 recent"]
     assert settings[-1].engine_kwargs() == {"kv_mode": "sparse", "predictor": "exact",
                                             "top_k": 32, "sink_blocks": 4, "recent_blocks": 2,
-                                            "f_hbm": 0.05, "block_size": 16, "rerank": 0.0}
+                                            "f_hbm": 0.05, "block_size": 16, "rerank": 0.0,
+                                            "forced_drafts": "known"}
 
 
 def test_rerank_settings_are_their_own_columns():
@@ -105,6 +106,18 @@ def test_rerank_settings_are_their_own_columns():
     assert [s.name for s in settings] == ["sparse K=128 lookahead",
                                           "sparse K=128 lookahead rerank=2"]
     assert [s.engine_kwargs()["rerank"] for s in settings] == [0.0, 2.0]
+
+
+def test_guessed_forced_drafts_are_their_own_lookahead_columns():
+    settings = settings_from(["sparse"], ["lookahead", "exact"], [128],
+                             forced_drafts=["known", "guessed"])
+    assert [s.name for s in settings] == ["sparse K=128 lookahead",
+                                          "sparse K=128 lookahead guessed drafts",
+                                          "sparse K=128 exact"]  # no drafts to guess
+    assert [s.engine_kwargs()["forced_drafts"] for s in settings] == ["known", "guessed",
+                                                                      "known"]
+    with pytest.raises(ValueError, match="--forced-drafts takes known and/or guessed"):
+        settings_from(["sparse"], ["lookahead"], [128], forced_drafts=["maybe"])
 
 
 def test_admission_caps_are_their_own_columns():
