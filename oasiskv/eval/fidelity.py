@@ -311,10 +311,10 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
           f"for both settings): an interval that holds 0 (Δ) or 1 (ratio) is no measured "
           f"difference; ppl over the last {args.ppl_tokens} tokens, teacher-forced through the "
           f"decode path; greedy agreement = share of the first {args.agree_tokens} greedy "
-          f"tokens equal to dense's; draft right = share of the drafts that were the next "
-          f"token (ppl: of the scored continuation, where the next token is the text's, not "
-          f"the model's guess; else: of the answer). Every prompt prefilled once (dense) "
-          f"and decoded by each setting; decode s = the setting's wall time decoding them "
+          f"tokens equal to dense's; draft right = share of the lookahead's drafts that were "
+          f"the next token (ppl: of the scored continuation, whose known next token is the "
+          f"draft unless `guessed drafts`; else: of the answer). Every prompt prefilled once "
+          f"(dense) and decoded by each setting; decode s = the setting's wall time decoding them "
           f"(settings in turn, on the same machine). {elapsed:.0f} s.")
     write_json(args.out, {"eval": "fidelity", "model": args.model, "tasks": tasks,
                           "contexts": contexts, "settings": [s.name for s in settings],
