@@ -279,7 +279,8 @@ class SpecConfig:
         "tokens (rejection sampling keeps the output distribution unchanged)")
     forced_drafts: str = _field(
         "known", "a request with forced tokens (teacher forcing): known = its next forced token "
-        "is the draft (the engine knows it); guessed = the drafter guesses it, as in generation")
+        "is its only draft (the engine knows it); guessed = the drafter guesses it, as in "
+        "generation")
 
     def __post_init__(self) -> None:
         head = head_dir(self.drafter)

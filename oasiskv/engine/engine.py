@@ -467,8 +467,8 @@ class LLMEngine:
         forced = self._forced(seq)
         if forced is not None and self.config.spec.forced_drafts == "known":
             # teacher forcing: the next token is known, so the lookahead need not guess it
-            others = [t for t in seq.draft_tokens if t != forced]
-            seq.draft_tokens = [forced, *others][:self.config.spec.num_drafts]
+            # (nor average its query with guesses)
+            seq.draft_tokens = [forced]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
                 drafts: dict[int, torch.Tensor | None]) -> list[tuple[int | Exception, bool]]:

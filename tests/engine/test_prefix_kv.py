@@ -90,6 +90,10 @@ def test_forced_tokens_are_the_lookahead_drafts_unless_guessed(tiny_llama):
     assert known.metrics.draft_accuracy == 1.0
     assert guessed.metrics.draft_accuracy < 0.5  # random tokens: rarely guessed
     assert known.logprobs != guessed.logprobs  # the draft's query chose other blocks
+    # more drafts are guesses: a known token is the only draft, whatever num_drafts
+    two = LLM(str(tiny_llama), **sparse, num_drafts=2).generate([prompt], params,
+                                                                use_tqdm=False)[0]
+    assert two.logprobs == known.logprobs
 
 
 def test_forced_tokens_are_validated(tiny_llama):
