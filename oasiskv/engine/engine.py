@@ -456,6 +456,12 @@ class LLMEngine:
                          now)
         if self.drafter is None or seq.is_finished:
             return
+        forced = self._forced(seq) if self.config.spec.forced_drafts == "known" else None
+        if forced is not None:
+            # teacher forcing: the next token is known, so the lookahead need not guess it
+            # (nor average its query with guesses); drafters catch up on skipped tokens
+            seq.draft_tokens = [forced]
+            return
         prev = seq.draft_tokens[0] if seq.draft_tokens else None
         chain = None if accepted or draft_row is None else draft_row[0]
         try:
@@ -464,11 +470,6 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - a draft is a hint, never a failure
             log.warning("drafter failed for request %s: %r", seq.request_id, e)
             seq.draft_tokens = []
-        forced = self._forced(seq)
-        if forced is not None and self.config.spec.forced_drafts == "known":
-            # teacher forcing: the next token is known, so the lookahead need not guess it
-            # (nor average its query with guesses)
-            seq.draft_tokens = [forced]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
                 drafts: dict[int, torch.Tensor | None]) -> list[tuple[int | Exception, bool]]:
