@@ -1,13 +1,21 @@
-"""The paired bootstrap interval: exact on constant differences, close to the normal-theory
-interval on many samples, and wider for fewer samples."""
+"""The figures on hand-made inputs: the paired bootstrap interval (exact on constant
+differences, close to the normal-theory interval on many samples, wider for fewer samples),
+recall, churn and attention mass."""
 
 import math
 import random
 
 import pytest
+import torch
 
 from oasiskv.eval.fidelity import summarize
-from oasiskv.eval.metrics import paired_bootstrap_ci
+from oasiskv.eval.metrics import (
+    block_mass,
+    captured_mass,
+    churn,
+    paired_bootstrap_ci,
+    recall,
+)
 
 
 def mean_diff(x, y):
@@ -47,3 +55,22 @@ def test_ppl_rows_carry_the_ratio_interval():
     assert (rows[1]["ppl_ratio_lo"], rows[1]["ppl_ratio_hi"]) == pytest.approx((ratio, ratio))
     assert rows[1]["ppl_ratio_ci"] == f"{ratio:.4f} [{ratio:.4f}, {ratio:.4f}]"
     assert rows[1]["agreement"] == 0.5
+
+
+def test_recall_and_churn_on_hand_made_sets():
+    pred = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    exact = torch.tensor([[1, 2, 7], [5, 6, 7]])
+    assert recall(pred, exact).tolist() == pytest.approx([2 / 3, 1 / 3])
+    assert churn(exact, pred).tolist() == pytest.approx([1 / 3, 2 / 3])
+    assert churn(pred, pred).tolist() == [0.0, 0.0]
+
+
+def test_block_mass_and_captured_mass_on_hand_made_attention():
+    # 1 KV head, 2 query heads, d=1, B=2, scale 1. Head 0 has q=1 and keys (0, 0, ln2, ln4):
+    # probabilities 1/8, 1/8, 2/8, 4/8 -> blocks (1/4, 3/4). Head 1 has q=0: uniform (1/2, 1/2).
+    q = torch.tensor([[1.0], [0.0]])
+    keys = torch.tensor([[[0.0], [0.0], [math.log(2)], [math.log(4)]]])
+    mass = block_mass(q, keys, 1.0, 2)
+    torch.testing.assert_close(mass, torch.tensor([[0.25, 0.75], [0.5, 0.5]]))
+    assert captured_mass(mass, torch.tensor([[1]])).tolist() == pytest.approx([0.75, 0.5])
+    assert captured_mass(mass, torch.tensor([[0, 1]])).tolist() == pytest.approx([1.0, 1.0])

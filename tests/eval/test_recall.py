@@ -1,9 +1,7 @@
 """`oasiskv eval recall`: the draft rows see what they should, the normal token is untouched,
-the figures are the ones defined, the prompts start where they should, the CLI writes its
-files."""
+the figures are the ones defined, the CLI writes its files."""
 
 import json
-import math
 
 import pytest
 import torch
@@ -11,21 +9,8 @@ import torch
 from oasiskv import LLM
 from oasiskv.cli import main
 from oasiskv.eval import recall as rc
-from oasiskv.eval.recall import (
-    RecallProbe,
-    RecallSpec,
-    Totals,
-    block_mass,
-    captured_mass,
-    churn,
-    decode_step,
-    paragraph_prompt,
-    paragraph_start,
-    prefill,
-    recall,
-    run_recall,
-    summarize_totals,
-)
+from oasiskv.eval.recall import RecallSpec, decode_step, prefill, run_recall, summarize_totals
+from oasiskv.eval.recall_probe import RecallProbe, Totals
 
 CONTEXT = 200  # 12 complete blocks of 16, the 13th partial
 
@@ -163,25 +148,6 @@ def test_normal_logits_do_not_change_with_draft_rows(llm):
 
 # ---- the figures on hand-made sets -----------------------------------------------------------
 
-def test_recall_and_churn_on_hand_made_sets():
-    pred = torch.tensor([[0, 1, 2], [3, 4, 5]])
-    exact = torch.tensor([[1, 2, 7], [5, 6, 7]])
-    assert recall(pred, exact).tolist() == pytest.approx([2 / 3, 1 / 3])
-    assert churn(exact, pred).tolist() == pytest.approx([1 / 3, 2 / 3])
-    assert churn(pred, pred).tolist() == [0.0, 0.0]
-
-
-def test_block_mass_and_captured_mass_on_hand_made_attention():
-    # 1 KV head, 2 query heads, d=1, B=2, scale 1. Head 0 has q=1 and keys (0, 0, ln2, ln4):
-    # probabilities 1/8, 1/8, 2/8, 4/8 -> blocks (1/4, 3/4). Head 1 has q=0: uniform (1/2, 1/2).
-    q = torch.tensor([[1.0], [0.0]])
-    keys = torch.tensor([[[0.0], [0.0], [math.log(2)], [math.log(4)]]])
-    mass = block_mass(q, keys, 1.0, 2)
-    torch.testing.assert_close(mass, torch.tensor([[0.25, 0.75], [0.5, 0.5]]))
-    assert captured_mass(mass, torch.tensor([[1]])).tolist() == pytest.approx([0.75, 0.5])
-    assert captured_mass(mass, torch.tensor([[0, 1]])).tolist() == pytest.approx([1.0, 1.0])
-
-
 def test_totals_average_per_layer_and_take_the_churn_percentile():
     spec = RecallSpec([2], ["previous"], [], steps=2)
     totals = Totals(2)
@@ -198,40 +164,6 @@ def test_totals_average_per_layer_and_take_the_churn_percentile():
     assert prev["mass"] == pytest.approx(0.25)
     assert rows["exact"]["churn"] == pytest.approx(0.45)
     assert rows["exact"]["churn_p90"] == pytest.approx(0.81)
-
-
-# ---- prompts -------------------------------------------------------------------------------
-
-TEXT = "Title\nline two\n\nFirst para, line one\nline two.\n\n\nSecond para.\n\nThird one.\n"
-
-
-@pytest.mark.parametrize("offset, want", [
-    (0, 0),
-    (TEXT.index("First"), TEXT.index("First")),
-    (TEXT.index("First") - 1, TEXT.index("First")),  # on the blank line
-    (TEXT.index("First") + 1, TEXT.index("Second")),  # inside a paragraph: the next one
-    (TEXT.index("Second") - 2, TEXT.index("Second")),  # after two blank lines
-    (TEXT.index("Third"), TEXT.index("Third")),
-])
-def test_paragraph_start_is_at_or_after_the_offset(offset, want):
-    start = paragraph_start(TEXT, offset)
-    assert start == want and start >= offset
-    assert start == 0 or (TEXT[start - 2:start] == "\n\n" and TEXT[start] != "\n")
-
-
-def test_no_paragraph_after_the_offset_is_an_error():
-    with pytest.raises(ValueError, match="no paragraph"):
-        paragraph_start(TEXT, TEXT.index("Third") + 1)
-
-
-def test_paragraph_prompt_has_exactly_the_length_and_starts_the_paragraph(llm):
-    text = "\n\n".join(f"Paragraph {i}: a truth universally acknowledged." for i in range(300))
-    offset = 1000
-    start, ids = paragraph_prompt(llm.tokenizer, text, offset, 150)
-    assert start >= offset and text[start - 2:start] == "\n\n"
-    assert len(ids) == 150
-    assert llm.tokenizer.decode(ids).startswith(text[start:start + 20])
-    assert ids == llm.tokenizer.encode(text[start:], add_special_tokens=False)[:150]
 
 
 # ---- the command ---------------------------------------------------------------------------
