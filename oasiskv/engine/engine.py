@@ -36,20 +36,35 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, share_weights: LLMEngine | None = None) -> None:
+        """`share_weights`: an engine of the same model, dtype and device whose weight tensors
+        this one uses instead of loading its own copy (engines compared side by side in one
+        process: the weights are read-only, each engine keeps its own KV and modules)."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
         dtype = config.torch_dtype
-        ckpt = load_checkpoint(resolve_model(config.model), dtype=dtype)
-        self.model_config = mc = ModelConfig.from_hf(ckpt.hf_config)
-        self.tokenizer = ckpt.tokenizer
+        if share_weights is None:
+            ckpt = load_checkpoint(resolve_model(config.model), dtype=dtype)
+            mc, self.tokenizer = ModelConfig.from_hf(ckpt.hf_config), ckpt.tokenizer
+        else:
+            other = share_weights.config
+            if (other.model, other.torch_dtype, share_weights.device) != (config.model, dtype,
+                                                                         self.device):
+                raise ValueError(f"share_weights: that engine runs {other.model} "
+                                 f"({other.dtype}, {other.device}), this one {config.model} "
+                                 f"({config.dtype}, {config.device})")
+            mc, self.tokenizer = share_weights.model_config, share_weights.tokenizer
+        self.model_config = mc
         with torch.device("meta"):  # no time spent on random init of weights we overwrite
             model = LlamaForCausalLM(mc)
         model = model.to_empty(device=self.device).to(dtype)
         model.model.rotary.build()  # its tables are computed, not loaded
-        model.load_weights(ckpt.state_dict)
+        if share_weights is None:
+            model.load_weights(ckpt.state_dict)
+        else:  # the same Parameter objects (tied embeddings stay tied)
+            model.load_state_dict(share_weights.model.state_dict(keep_vars=True), assign=True)
         self.model = model.eval()
 
         self.max_model_len = config.scheduler.max_model_len or mc.max_position_embeddings

@@ -2,7 +2,8 @@
 run, like the paper's Table 1.
 
 Settings: `dense` and every (predictor, K, block size B, ...) of `sparse` (with
---token-budget, K = budget / B); each gets its own engine. Every prompt
+--token-budget, K = budget / B); each gets its own engine, built for its turn on one shared
+copy of the weights, so that one setting's KV pools are in memory at a time. Every prompt
 is prefilled ONCE (dense attention, as every setting's prefill is) and its K/V handed to each
 setting's engine (`add_request(prefix_kv=)`); the engines then compute the last prompt token
 and decode, so settings differ only in how they decode.
@@ -27,7 +28,9 @@ import itertools
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -190,15 +193,17 @@ def judge(sample: Sample, outs: list) -> dict:
     return {"score": score(sample.task_obj, outs[0].text), "output": outs[0].text} | drafts
 
 
-def run_samples(engines: dict[str, object], samples: list[Sample], group: int,
-                agree_tokens: int, bar=None) -> dict[str, list[dict]]:
-    """Every sample in every setting; prefills each prompt once (with the first engine)."""
-    results: dict[str, list[dict]] = {name: [] for name in engines}
-    prefill_engine = next(iter(engines.values()))
+def run_samples(engine_for: Callable[[str], Any], names: list[str], samples: list[Sample],
+                group: int, agree_tokens: int, bar=None) -> dict[str, list[dict]]:
+    """Every sample in every setting (`engine_for(name)`: the setting's engine); each prompt is
+    prefilled once, by the first setting's engine."""
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    prefill_engine = engine_for(names[0])
     for start in range(0, len(samples), group):
         chunk = samples[start:start + group]
         kvs = [prefill_engine.compute_prefix_kv(s.ids[:-1]) for s in chunk]
-        for name, engine in engines.items():
+        for name in names:
+            engine = engine_for(name)
             requests = [requests_for(s, kv, agree_tokens) for s, kv in zip(chunk, kvs,
                                                                               strict=True)]
             t0 = time.perf_counter()
@@ -208,6 +213,7 @@ def run_samples(engines: dict[str, object], samples: list[Sample], group: int,
             for s, reqs in zip(chunk, requests, strict=True):
                 results[name].append(judge(s, outs[at:at + len(reqs)]) | {"decode_s": share})
                 at += len(reqs)
+            del engine
         if bar is not None:
             bar.update(len(chunk))
         del kvs
@@ -279,20 +285,39 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
     base = {"model": args.model, "dtype": args.dtype, "drafter": args.drafter}
     if args.num_threads:
         base["num_threads"] = args.num_threads
-    engines = {s.name: LLMEngine(EngineConfig.from_kwargs(**base, **s.engine_kwargs()))
-               for s in settings}
-    tokenizer = next(iter(engines.values())).tokenizer
+    configs = {s.name: EngineConfig.from_kwargs(**base, **s.engine_kwargs()) for s in settings}
+    names = list(configs)
+    first = LLMEngine(configs[names[0]])
+
+    def engine_for(name: str) -> LLMEngine:
+        # Built when its turn comes and dropped after it, on the first engine's weights: one
+        # setting's KV pools in memory at a time (13 settings of two 7,168-token prompts each
+        # did not fit in 24 GiB side by side).
+        return first if name == names[0] else LLMEngine(configs[name], share_weights=first)
+
+    tokenizer = first.tokenizer
     rows, per_sample = [], []
     total = len(contexts) * sum((args.ppl_samples or args.samples) if t == "ppl" else args.samples
                                 for t in tasks)
     bar = tqdm(total=total, desc="eval", unit="prompt", dynamic_ncols=True)
+
+    def save(elapsed: float, complete: bool) -> None:
+        write_json(args.out, {"eval": "fidelity", "model": args.model, "tasks": tasks,
+                              "contexts": contexts, "settings": [s.name for s in settings],
+                              "samples": args.samples, "seed": args.seed,
+                              "drafter": args.drafter, "ppl_tokens": args.ppl_tokens,
+                              "agree_tokens": args.agree_tokens,
+                              "threads": torch.get_num_threads(), "time_s": elapsed,
+                              "complete": complete, "rows": rows, "per_sample": per_sample})
+
     for context in contexts:
         for task in tasks:
             bar.set_description(f"{task} {context}")
             count = (args.ppl_samples or args.samples) if task == "ppl" else args.samples
             samples = make_samples(task, tokenizer, context, count, args.seed,
                                    not args.no_chat, args.ppl_tokens)
-            results = run_samples(engines, samples, args.group, args.agree_tokens, bar)
+            results = run_samples(engine_for, names, samples, args.group, args.agree_tokens,
+                                  bar)
             for row in summarize(task, samples, results):
                 rows.append({"context": context, **row})
             per_sample.append({"context": context, "task": task,
@@ -301,6 +326,7 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
                                            | {"tokens": len(s.ids) + len(s.forced)}
                                            for s in samples],
                                "results": results})
+            save(time.perf_counter() - t0, complete=False)  # a later crash keeps this task
     bar.close()
     elapsed = time.perf_counter() - t0
     print(f"\n## fidelity, {args.model}: {', '.join(s.name for s in settings)}; "
@@ -316,10 +342,5 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
           f"draft unless `guessed drafts`; else: of the answer). Every prompt prefilled once "
           f"(dense) and decoded by each setting; decode s = the setting's wall time decoding them "
           f"(settings in turn, on the same machine). {elapsed:.0f} s.")
-    write_json(args.out, {"eval": "fidelity", "model": args.model, "tasks": tasks,
-                          "contexts": contexts, "settings": [s.name for s in settings],
-                          "samples": args.samples, "seed": args.seed, "drafter": args.drafter,
-                          "ppl_tokens": args.ppl_tokens, "agree_tokens": args.agree_tokens,
-                          "threads": torch.get_num_threads(), "time_s": elapsed, "rows": rows,
-                          "per_sample": per_sample})
+    save(elapsed, complete=True)
     return rows

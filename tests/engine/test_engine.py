@@ -165,6 +165,27 @@ def test_greedy_equals_transformers_generate(model, hf):
         assert out.finish_reason == "length"
 
 
+def test_engine_sharing_weights_holds_no_copy_and_matches_transformers(model, hf, ref_llm):
+    from oasiskv.config import EngineConfig
+    from oasiskv.engine.engine import LLMEngine
+
+    owner = ref_llm.engine
+    config = EngineConfig.from_kwargs(model=model, kv_mode="sparse", top_k=4,
+                                      device_kv_budget="1MiB")
+    engine = LLMEngine(config, share_weights=owner)
+    theirs = {n: p.data_ptr() for n, p in owner.model.named_parameters(remove_duplicate=False)}
+    ours = {n: p.data_ptr() for n, p in engine.model.named_parameters(remove_duplicate=False)}
+    assert ours == theirs and len(ours) > 10
+    prompt = rand_prompts(320, [40], seed=5)[0]
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12))
+    done = []
+    while engine.has_unfinished():
+        done += [o for o in engine.step() if o.finished and o.request_id == rid]
+    assert done[0].token_ids == hf_greedy(hf, prompt, 12)  # K=4 blocks hold all 52 tokens
+    with pytest.raises(ValueError, match=r"share_weights: .*\(float32.*this one .*\(bfloat16"):
+        LLMEngine(EngineConfig.from_kwargs(model=model, dtype="bfloat16"), share_weights=owner)
+
+
 def test_small_kv_budget_preempts_and_matches(model, ref_llm):
     prompts = rand_prompts(vocab(ref_llm), [40, 33, 21, 38, 12, 29], seed=5)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

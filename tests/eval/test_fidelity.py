@@ -35,6 +35,7 @@ def test_all_tasks_in_one_run_and_full_k_sparse_equals_dense(model, tmp_path, ca
     table = capsys.readouterr().out
     assert "sparse K=64 exact" in table and "ppl ratio" in table
     data = json.loads(out.read_text())
+    assert data["complete"] is True
     assert data["settings"] == ["dense", "sparse K=2 previous", "sparse K=2 exact",
                                 "sparse K=64 previous", "sparse K=64 exact"]
     rows = {(r["task"], r["setting"]): r for r in data["rows"]}
