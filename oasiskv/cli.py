@@ -214,7 +214,8 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
                      tokens=args.tokens, heldout_tokens=args.heldout_tokens, chunk=args.chunk,
                      epochs=args.epochs, batch=args.batch, lr=args.lr,
                      draft_vocab=args.draft_vocab, self_tokens=args.self_tokens,
-                     self_prompt=args.self_prompt, seed=args.seed)
+                     self_prompt=args.self_prompt, train_dtype=args.train_dtype,
+                     seed=args.seed)
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     # room for GENERATE_BATCH whole chunks: the own continuations are generated together
     engine = LLMEngine(EngineConfig.from_kwargs(
@@ -472,6 +473,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "passages (greedy and T=0.7 in turn), beside the novels' text")
     tr.add_argument("--self-prompt", type=int, default=TrainSpec.self_prompt,
                     help="tokens of a passage the target continues to a whole chunk")
+    tr.add_argument("--train-dtype", default=TrainSpec.train_dtype,
+                    choices=["auto", "float32", "bfloat16"],
+                    help="autocast dtype of training (auto: bfloat16 where the CPU has native "
+                    "bf16 matmuls, 1.7x faster here)")
     tr.add_argument("--aux-layers", default=None,
                     help="target layers fused as features (default: 2, L/2, L-1)")
     tr.add_argument("--seed", type=int, default=TrainSpec.seed)

@@ -13,7 +13,15 @@ from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.spec.drafters import make_drafter
 from oasiskv.spec.eagle import EagleConfig, EagleHead, load_head
-from oasiskv.spec.train import TrainSpec, in_loop, load_shards, own_continuations, target_features
+from oasiskv.spec.train import (
+    TrainSpec,
+    draft_vocabulary,
+    in_loop,
+    load_shards,
+    own_continuations,
+    target_features,
+    train_head,
+)
 
 
 @pytest.fixture
@@ -27,6 +35,31 @@ def test_training_reduces_loss_and_beats_unigram(trained):
     assert result["loss_last"] < 0.8 * result["loss_first"]
     assert held["greedy_accuracy"] > held["unigram_accuracy"] + 0.25, held
     assert 0 < held["sampled_accuracy"] <= 1
+    # the learning curve: one held-out figure per epoch, ending at the final head's
+    curve = result["heldout_by_epoch"]
+    assert len(curve) == 12 and curve[-1] == held["greedy_accuracy"]
+    assert curve[0] < curve[-1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_training_learns_in_either_autocast_dtype(trained, tiny_llama, dtype):
+    out, _ = trained
+    data = load_shards(sorted((out / "features").glob("train_0*.safetensors")))
+    target = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama))).model
+    d2t = draft_vocabulary(data["greedy"], 256)
+    cfg = EagleConfig.for_target("tiny", target.config, len(d2t), [0, 1], MARKOV_CHUNK)
+    torch.manual_seed(0)
+    head = EagleHead(cfg, target.model.embed_tokens.weight, target.lm_head.weight, d2t)
+    spec = TrainSpec(model="tiny", out=out, chunk=MARKOV_CHUNK, self_prompt=1, epochs=6,
+                     lr=3e-3, train_dtype=dtype, quiet=True)
+    assert spec.autocast_dtype == getattr(torch, dtype)
+    losses, curve = train_head(head, data, spec)
+    assert curve == [] and sum(losses[-5:]) < 0.8 * sum(losses[:5])
+
+
+def test_bad_train_dtype_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="train_dtype must be auto, float32 or bfloat16"):
+        TrainSpec(model="m", out=tmp_path, train_dtype="float16")
 
 
 def test_features_are_resumable_and_match_the_target(trained, tiny_llama):
