@@ -84,10 +84,10 @@ def test_hf_incremental_decode_with_cache_agrees(tmp_path):
     with torch.no_grad():
         out = hf(torch.tensor([tokens[:30]]), use_cache=True)
         ref = [out.logits[0, -1]]
-        past = out.past_key_values
+        past = out.cache
         for t in tokens[30:]:
-            out = hf(torch.tensor([[t]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            out = hf(torch.tensor([[t]]), cache=past, use_cache=True)
+            past = out.cache
             ref.append(out.logits[0, -1])
     got, _ = run_chunks(model, tokens, [30] + [1] * 10)
     torch.testing.assert_close(got[[29] + list(range(30, 40))], torch.stack(ref),
