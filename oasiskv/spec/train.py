@@ -256,10 +256,10 @@ def labels_in_draft_vocab(greedy: torch.Tensor, t2d: torch.Tensor) -> torch.Tens
 
 
 def train_head(head: EagleHead, data: dict[str, torch.Tensor], spec: TrainSpec,
-               heldout: dict[str, torch.Tensor] | None = None) -> tuple[list[float], list[float]]:
+               heldout: dict[str, torch.Tensor] | None = None) -> tuple[list[float], list[dict]]:
     """AdamW, linear warm-up then cosine decay; returns the loss of every step and, with
-    `heldout`, the held-out greedy accuracy after every epoch (the learning curve: it shows
-    when more epochs stop helping)."""
+    `heldout`, its `evaluate` figures after every epoch (the learning curve: it shows when
+    more epochs stop helping; the last entry is the trained head's)."""
     t2d = torch.full((head.config.vocab_size,), -100, dtype=torch.long)
     t2d[head.d2t] = torch.arange(len(head.d2t))
     params = [p for p in head.parameters() if p.requires_grad]
@@ -294,10 +294,10 @@ def train_head(head: EagleHead, data: dict[str, torch.Tensor], spec: TrainSpec,
             bar.set_postfix(loss=f"{loss.item():.3f}")
         head.eval()
         if heldout is not None:
-            curve.append(evaluate(head, heldout)["greedy_accuracy"])
+            curve.append(evaluate(head, heldout))
             if not spec.quiet:
                 bar.write(f"epoch {len(curve)}: held-out greedy draft accuracy "
-                          f"{curve[-1]:.3f}")
+                          f"{curve[-1]['greedy_accuracy']:.3f}")
     bar.close()
     return losses, curve
 
@@ -374,11 +374,11 @@ def run(engine, spec: TrainSpec, aux_layers: list[int] | None = None,
     cfg = EagleConfig.for_target(spec.model, mc, len(d2t), list(layers), spec.chunk)
     target = engine.model
     head = EagleHead(cfg, target.model.embed_tokens.weight, target.lm_head.weight, d2t)
-    heldout = load_shards(heldout_paths)
-    losses, curve = train_head(head, data, spec, heldout)
+    losses, curve = train_head(head, data, spec, load_shards(heldout_paths))
     t_train = time.perf_counter() - t0 - t_features
     own = load_shards(heldout_own_paths)
-    result = {"heldout": evaluate(head, heldout), "heldout_by_epoch": curve,
+    result = {"heldout": curve[-1],
+              "heldout_by_epoch": [epoch["greedy_accuracy"] for epoch in curve],
               **{f"heldout_own_{kind}": evaluate(
                   head, {k: v[i::len(OWN_TEMPERATURES)] for k, v in own.items()},
                   start=spec.self_prompt) for i, kind in enumerate(("greedy", "sampled"))},
