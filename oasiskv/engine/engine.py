@@ -21,6 +21,7 @@ from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import BlockPool, KVAllocator
 from oasiskv.kv.remote_tier import RemoteTier, open_store
 from oasiskv.kv.residency import SparseKV
+from oasiskv.layers.linear import pack_linears
 from oasiskv.layers.sampler import sample, verify_draft
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import load_checkpoint
@@ -65,6 +66,8 @@ class LLMEngine:
             model.load_weights(ckpt.state_dict)
         else:  # the same Parameter objects (tied embeddings stay tied)
             model.load_state_dict(share_weights.model.state_dict(keep_vars=True), assign=True)
+        # CPU: linear weights also in oneDNN's layout (faster decode and prefill)
+        pack_linears(model, share_weights.model if share_weights is not None else None)
         self.model = model.eval()
 
         self.max_model_len = config.scheduler.max_model_len or mc.max_position_embeddings

@@ -17,6 +17,7 @@ import transformers
 
 import oasiskv.layers.sampler as sampler_mod
 from oasiskv import LLM, SamplingParams
+from oasiskv.layers.linear import Linear
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -176,6 +177,10 @@ def test_engine_sharing_weights_holds_no_copy_and_matches_transformers(model, hf
     theirs = {n: p.data_ptr() for n, p in owner.model.named_parameters(remove_duplicate=False)}
     ours = {n: p.data_ptr() for n, p in engine.model.named_parameters(remove_duplicate=False)}
     assert ours == theirs and len(ours) > 10
+    packed = [(m.packed, o.packed) for m, o in zip(engine.model.modules(),
+                                                   owner.model.modules(), strict=True)
+              if isinstance(m, Linear)]
+    assert packed and all(a is not None and a is b for a, b in packed)  # packed once, shared
     prompt = rand_prompts(320, [40], seed=5)[0]
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12))
     done = []
