@@ -323,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--concurrency", default="1,2,4,8,16,32",
                      help="requests arriving at once (each level its own unique prompts)")
     thr.add_argument("--device-kv-budget", default="1GiB")
-    thr.add_argument("--host-kv-budget", default="16GiB", help="sparse: host tier bytes")
+    thr.add_argument("--host-kv-budget", default="auto",
+                     help="sparse: host tier bytes; auto: what the largest level's requests hold")
     thr.add_argument("--kv-mode", default="dense,sparse")
     thr.add_argument("--top-k", type=int, default=32)
     thr.add_argument("--f-hbm", default="0.05",

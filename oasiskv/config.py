@@ -181,6 +181,10 @@ class CacheConfig:
         "auto", "sparse: dtype of the block summaries (kmin/kmax). auto: the KV dtype; "
         "float16 or bfloat16 halve their device memory and the bytes a hand-over sends "
         "(rounded outward, so that they still bound every key of their block)")
+    prefault_kv: bool = _field(
+        False, "write every page of the KV pools (and summaries) when the engine starts, so "
+        "that the first requests do not wait for the OS to map that memory in (on a VM whose "
+        "fresh memory maps in at ~250 MB/s this is seconds per GiB: servers, benchmarks)")
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

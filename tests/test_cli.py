@@ -57,6 +57,7 @@ TYPED = [
     ("score_alpha", "0.5", 0.5),
     ("rerank", "1.5", 1.5),
     ("summary_dtype", "float16", "float16"),
+    ("prefault_kv", "true", True),
     ("sink_blocks", "2", 2),
     ("recent_blocks", "1", 1),
     ("remote_store", "none", "none"),  # others need kv_mode=sparse

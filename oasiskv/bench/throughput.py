@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 from oasiskv.bench.common import (
     agreement,
@@ -56,9 +56,12 @@ def run_mode(kwargs: dict, prompts: list[list[int]], kv_files: list[Path],
              output_len: int) -> dict:
     engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    # in memory before the clock starts, as the peers' prompt K/V are (a file's tensors are
+    # mapped lazily: their disk reads would count as our engine's time to first token)
+    prefixes = [load(f.read_bytes())["kv"] for f in kv_files]
     t0 = time.perf_counter()
-    ids = [engine.add_request(p, params, prefix_kv=load_file(str(f))["kv"])
-           for p, f in zip(prompts, kv_files, strict=True)]
+    ids = [engine.add_request(p, params, prefix_kv=kv)
+           for p, kv in zip(prompts, prefixes, strict=True)]
     seqs = [engine.requests[i] for i in ids]
     start = len(engine.step_log)
     while engine.has_unfinished():
@@ -132,20 +135,26 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     contexts, levels = parse_list(args.context), parse_list(args.concurrency)
     modes, f_hbms = parse_list(args.kv_mode, str), parse_list(args.f_hbm, str)
     peers = parse_peers(args.peer, args.model)
-    base = {"model": args.model, "dtype": args.dtype, "device_kv_budget": args.device_kv_budget,
-            "max_num_seqs": max(levels)}
-    if args.num_threads:
-        base["num_threads"] = args.num_threads
-    runs = [("dense", {"kv_mode": "dense"})] if "dense" in modes else []
-    runs += [("sparse", {"kv_mode": "sparse", "top_k": args.top_k, "f_hbm": f,
-                         "predictor": args.predictor, "host_kv_budget": args.host_kv_budget})
-             for f in (f_hbms if "sparse" in modes else [])]
-    for _, kw in runs:  # bad settings fail now, not after the prefill
-        EngineConfig.from_kwargs(**base, **kw)
     prefill = LLMEngine(EngineConfig.from_kwargs(model=args.model, dtype=args.dtype,
                                                  num_threads=args.num_threads))
     mc = prefill.model_config
     kv_per_token = mc.kv_bytes_per_token(prefill.config.torch_dtype)
+    host_budget = args.host_kv_budget
+    if host_budget == "auto":  # the largest level's histories, with a tenth to spare
+        block = prefill.config.cache.block_size
+        blocks = -(-(max(contexts) + args.output_len) // block) + 1
+        host_budget = int(1.1 * max(levels) * blocks * block * kv_per_token)
+    # the pools' pages mapped before the clock starts, as llama.cpp's and HF's caches are
+    base = {"model": args.model, "dtype": args.dtype, "device_kv_budget": args.device_kv_budget,
+            "max_num_seqs": max(levels), "prefault_kv": True}
+    if args.num_threads:
+        base["num_threads"] = args.num_threads
+    runs = [("dense", {"kv_mode": "dense"})] if "dense" in modes else []
+    runs += [("sparse", {"kv_mode": "sparse", "top_k": args.top_k, "f_hbm": f,
+                         "predictor": args.predictor, "host_kv_budget": host_budget})
+             for f in (f_hbms if "sparse" in modes else [])]
+    for _, kw in runs:  # bad settings fail now, not after the prefill
+        EngineConfig.from_kwargs(**base, **kw)
     weights = sum(p.numel() * p.element_size() for p in prefill.model.parameters())
     slab_tokens = (args.top_k + 1) * prefill.config.cache.block_size
     hf = load_hf(args.model, prefill.config.torch_dtype) if "hf" in peers else None

@@ -154,6 +154,15 @@ class LLMEngine:
                                    PrefetchPipeline(executor), remote=remote,
                                    scales=[a.scale for a in self.model.attention_layers()])
             self.runner = ModelRunner(self.model, device_kv, block, host_kv, self.sparse)
+        if cache.prefault_kv:
+            t0 = time.perf_counter()
+            pools = [device_kv] + ([] if self.sparse is None else
+                                   [self.sparse.host_kv, self.sparse.kmin, self.sparse.kmax])
+            for pool in pools:
+                pool.zero_()
+            log.info("prefaulted %.2f GiB of KV pools in %.1f s",
+                     sum(p.numel() * p.element_size() for p in pools) / 2**30,
+                     time.perf_counter() - t0)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
 
     def _build_remote(self, cache: CacheConfig, mc: ModelConfig, dtype: torch.dtype,

@@ -8,6 +8,7 @@ transformers' logits and `generate`, and plain slicing of a longer greedy run.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 
@@ -189,6 +190,27 @@ def test_engine_sharing_weights_holds_no_copy_and_matches_transformers(model, hf
     assert done[0].token_ids == hf_greedy(hf, prompt, 12)  # K=4 blocks hold all 52 tokens
     with pytest.raises(ValueError, match=r"share_weights: .*\(float32.*this one .*\(bfloat16"):
         LLMEngine(EngineConfig.from_kwargs(model=model, dtype="bfloat16"), share_weights=owner)
+
+
+def test_prefault_kv_maps_the_pools_at_start(model):
+    from oasiskv.config import EngineConfig
+    from oasiskv.engine.engine import LLMEngine
+
+    def resident() -> int:  # bytes of this process in RAM
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    growth = {}
+    for prefault in (False, True):
+        before = resident()
+        engine = LLMEngine(EngineConfig.from_kwargs(
+            model=model, kv_mode="sparse", top_k=4, device_kv_budget="8MiB",
+            host_kv_budget="96MiB", prefault_kv=prefault))
+        growth[prefault] = resident() - before
+        if prefault:  # written: zeros (an unwritten pool may hold an earlier tensor's bytes)
+            assert all(not p.any() for p in (engine.runner.device_kv, engine.runner.host_kv))
+        del engine
+    assert growth[True] - growth[False] > 90 * 2**20, growth  # the pools' pages, mapped
 
 
 def test_small_kv_budget_preempts_and_matches(model, ref_llm):
