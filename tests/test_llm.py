@@ -57,6 +57,8 @@ FIELD_VALUES = {
     "f_host": (1.0, lambda e, _: e.config.cache.f_host == 1.0),
     "remote_lend": ("64MiB", lambda e, _: e.config.cache.remote_lend == "64MiB"),
     "prefetch": ("async", lambda e, _: e.config.cache.prefetch == "async"),
+    "prefault_kv": (True, lambda e, _: e.config.cache.prefault_kv
+                    and not e.runner.device_kv.any()),
 }
 
 
