@@ -3,9 +3,9 @@
 Measured on the project's CPU (2 threads, 30 layers of SmolLM2's shapes): oneDNN repacks a
 plain weight into its blocked layout on every `F.linear` call; a weight packed once
 (`pack`) runs the linear layers 1.3-1.7x faster in bfloat16 at any row count, and 1.2-2x in
-float32 from 3 rows up. For one or two float32 rows MKL's product written as `W @ x.T` with
-two columns is faster still (one column takes the slow gemv path). Results differ from
-F.linear only by summation order.
+float32 from 4 rows up (at 3 rows it ties with `W @ x.T`). For one or two float32 rows MKL's
+product written as `W @ x.T` with two columns is faster still (one column takes the slow gemv
+path). Results differ from F.linear only by summation order.
 """
 
 import torch
