@@ -52,6 +52,9 @@ class StepContext:
     sparse: SparseKV | None = None  # selects and fetches working sets before attention
     # layer -> (k, v) [N, Hkv, d] of the step's rows, kept when drafts may be accepted
     draft_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    # attention's batches of equal sparse slabs (layers/attention.slab_groups), set by the
+    # first layer: (rows [R, 1+m], requests) per batch
+    slab_groups: list[tuple[torch.Tensor, list[SeqAttention]]] | None = None
 
 
 _CONTEXT: StepContext | None = None

@@ -34,6 +34,8 @@ class RotaryEmbedding(nn.Module):
             head_dim, max_position, theta, scaling)
         self.register_buffer("cos", torch.empty(max_position, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_position, head_dim), persistent=False)
+        # (positions, dtype, (cos, sin)) of the last call: layers share a pass's positions
+        self._last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, ...]] | None = None
         self.build()
 
     def build(self) -> None:
@@ -45,6 +47,16 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1).to(self.cos.device)
         self.cos, self.sin = emb.cos(), emb.sin()
+        self._last = None
+
+    def _tables(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows of `positions`, [N, 1, d]. Every layer of a forward pass gets the same
+        positions tensor: the rows are gathered once per pass, not once per layer."""
+        if self._last is None or self._last[0] is not positions or self._last[1] != dtype:
+            self._last = (positions, dtype, (self.cos[positions].unsqueeze(1).to(dtype),
+                                             self.sin[positions].unsqueeze(1).to(dtype)))
+        return self._last[2]
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -54,8 +66,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q [N, H, d], k [N, Hkv, d], positions [N]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [N, 1, d]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self._tables(positions, q.dtype)  # [N, 1, d]
         q = q * cos + self._rotate_half(q) * sin
         k = k * cos + self._rotate_half(k) * sin
         return q, k

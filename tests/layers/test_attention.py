@@ -13,7 +13,9 @@ LAYOUTS = {"side by side": [7, 27, 47, 67], "one apart": [7, 27, 47, 120]}
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("drafts", [0, 1, 2])
-def test_batched_slabs_equal_one_request_at_a_time(drafts, layout):
+@pytest.mark.parametrize("draft_masks", ["own", "shared"])
+def test_batched_slabs_equal_one_request_at_a_time(drafts, layout, draft_masks):
+    """draft_masks: some requests' drafts have their own mask, or all see the normal one's."""
     g = torch.Generator().manual_seed(drafts)
     hkv, group, d, t, R = 2, 3, 8, 20, 4
     attn = Attention(hkv * group, hkv, d, d ** -0.5)
@@ -29,7 +31,7 @@ def test_batched_slabs_equal_one_request_at_a_time(drafts, layout):
         valid[:, 0] = True  # every head sees something
         seq = SeqAttention(r, r + 1, t, LAYOUTS[layout][r], None, kv_valid=valid,
                            draft_rows=list(range(drafts)))
-        if r % 2 and drafts:
+        if r % 2 and drafts and draft_masks == "own":
             seq.draft_valid = valid & (torch.rand(hkv, t, generator=g) > 0.5)
             seq.draft_valid[:, 0] = True
         seqs.append(seq)
