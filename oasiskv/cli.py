@@ -336,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="other engines on the same prompts: hf (transformers generate), llamacpp "
                      "(llama.cpp on the same GGUF; pip install 'oasiskv[llamacpp]')")
     thr.add_argument("--predictor", default="lookahead")
+    thr.add_argument("--repeats", type=int, default=1,
+                     help="runs of every mode per level, in turn; the row is the median-TPS run")
     thr.add_argument("--dtype", default="float32")
     thr.add_argument("--num-threads", type=int, default=None)
     thr.add_argument("--json", help="write the figures to this file")

@@ -8,7 +8,9 @@ the prompt K/V (`add_request(prefix_kv=)`), computes the last prompt token and d
 the budget dense runs fewer requests at a time (the rest wait; none are dropped); a sparse
 request needs one K+1-block slab. Reported per row: TPS (output tokens / wall time from
 arrival to the last token), mean TPOT and TTFT, the mean running batch (requests decoding
-per step), preemptions, and the sparse/dense ratios. The roofline column is the time a step
+per step), preemptions, and the sparse/dense ratios. With --repeats R every mode (and peer)
+runs R times, one after another in rounds, and the row is its median-TPS run: the machine's
+slow minutes then fall on every mode alike. The roofline column is the time a step
 would take if it only read the bytes it must (weights + the resident KV of the running batch)
 at this machine's measured read bandwidth.
 """
@@ -88,6 +90,15 @@ def run_mode(kwargs: dict, prompts: list[list[int]], kv_files: list[Path],
     return out
 
 
+def median_run(tries: list[dict]) -> dict:
+    """The run with the median TPS (the lower middle of an even count), with the spread of
+    every run's TPS: on a noisy machine one run of each mode can land in a slow minute."""
+    tps = [r["tps"] for r in tries]  # in round order
+    median = sorted(tries, key=lambda r: r["tps"])[(len(tries) - 1) // 2]
+    return median | {"repeats": len(tries), "tps_runs": tps,
+                     "tps_range": f"{min(tps):.3g}-{max(tps):.3g}"}
+
+
 def step_bytes(mode: str, running: float, context: int, kv_per_token: int, weights: int,
                slab_tokens: int) -> float:
     """What one decode step must read: the weights once + the running batch's resident KV."""
@@ -96,10 +107,10 @@ def step_bytes(mode: str, running: float, context: int, kv_per_token: int, weigh
 
 
 COLUMNS = [("context", "context"), ("concurrency", "conc"), ("mode", "mode"), ("f_hbm", "f_hbm"),
-           ("tps", "TPS"), ("tps_ratio", "TPS / dense"), ("vs_hf", "sparse/HF"),
-           ("vs_llamacpp", "sparse/llama.cpp"), ("agreement", "agree"), ("tpot_ms", "TPOT ms"),
-           ("ttft_s", "TTFT s"), ("running", "running"), ("preemptions", "preempt"),
-           ("step_ms", "step ms"), ("roofline_ms", "roofline ms"),
+           ("tps", "TPS"), ("tps_range", "TPS runs"), ("tps_ratio", "TPS / dense"),
+           ("vs_hf", "sparse/HF"), ("vs_llamacpp", "sparse/llama.cpp"), ("agreement", "agree"),
+           ("tpot_ms", "TPOT ms"), ("ttft_s", "TTFT s"), ("running", "running"),
+           ("preemptions", "preempt"), ("step_ms", "step ms"), ("roofline_ms", "roofline ms"),
            ("bytes_per_step", "fetch B/step"), ("hit_rate", "hit rate")]
 ABLATION = [("context", "context"), ("concurrency", "conc"), ("f_hbm", "f_hbm"),
             ("fetch_cap", "cap/head"), ("bytes_per_step", "fetch B/step"), ("tps", "TPS"),
@@ -132,6 +143,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     t_start = time.perf_counter()
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     contexts, levels = parse_list(args.context), parse_list(args.concurrency)
     modes, f_hbms = parse_list(args.kv_mode, str), parse_list(args.f_hbm, str)
     peers = parse_peers(args.peer, args.model)
@@ -177,16 +190,20 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                                         torch.get_num_threads(), cache_dir)
                 peer_prefill_s[context] = llamacpp.prefill_s
             for c in levels:
-                level = []
-                for mode, kw in runs:  # alternate on the same prompts
-                    r = run_mode({**base, **kw}, prompts[:c], files[:c], args.output_len)
-                    r.update(mode=mode, f_hbm=kw.get("f_hbm"))
-                    level.append(r)
-                if hf is not None:
-                    level.append(hf_from_prefix(hf, prompts[:c], files[:c], args.output_len)
-                                 | {"mode": "hf"})
-                if llamacpp is not None:
-                    level.append(llamacpp.generate(c, args.output_len) | {"mode": "llamacpp"})
+                tries: dict[tuple[str, str | None], list[dict]] = {}
+                for _ in range(args.repeats):  # every mode once per round, in turn
+                    for mode, kw in runs:
+                        r = run_mode({**base, **kw}, prompts[:c], files[:c], args.output_len)
+                        tries.setdefault((mode, kw.get("f_hbm")), []).append(
+                            r | {"mode": mode, "f_hbm": kw.get("f_hbm")})
+                    if hf is not None:
+                        tries.setdefault(("hf", None), []).append(
+                            hf_from_prefix(hf, prompts[:c], files[:c], args.output_len)
+                            | {"mode": "hf"})
+                    if llamacpp is not None:
+                        tries.setdefault(("llamacpp", None), []).append(
+                            llamacpp.generate(c, args.output_len) | {"mode": "llamacpp"})
+                level = [median_run(t) for t in tries.values()]
                 by_mode = {r["mode"]: r for r in level}  # sparse: the first f_hbm
                 for r in level:
                     r.update(context=context, concurrency=c, text=source)
@@ -200,6 +217,8 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                     if r["mode"] == "sparse":
                         for peer in peers:
                             r[f"vs_{peer}"] = r["tps"] / by_mode[peer]["tps"]
+                            r[f"vs_{peer}_rounds"] = [a / b for a, b in zip(
+                                r["tps_runs"], by_mode[peer]["tps_runs"], strict=True)]
                     print(f"{context} x{c} {r['mode']}: {r['tps']:.1f} tok/s, running "
                           f"{r['running']:.1f}", flush=True)
                 rows += [{k: v for k, v in r.items() if k != "tokens"} for r in level]
@@ -209,6 +228,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     print(f"\n## throughput, {args.model} {args.dtype}: device KV budget "
           f"{args.device_kv_budget}, sparse K={args.top_k} f_hbm={args.f_hbm} {args.predictor}, "
           f"{args.output_len} greedy tokens per request, all requests arriving at once; "
+          f"{args.repeats} run(s) of each mode per level, in rounds, the median-TPS run shown; "
           f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s\n")
     print(markdown_table(rows, COLUMNS))
@@ -228,6 +248,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     write_json(args.json, {"bench": "throughput", "model": args.model,
                            "device_kv_budget": args.device_kv_budget, "top_k": args.top_k,
                            "f_hbm": f_hbms, "output_len": args.output_len, "peers": peers,
+                           "repeats": args.repeats,
                            "bandwidth": bandwidth, "prefill_s": prefill_s,
                            "llamacpp_prefill_s": peer_prefill_s,
                            "threads": torch.get_num_threads(), "time_s": elapsed, "rows": rows})

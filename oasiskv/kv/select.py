@@ -38,9 +38,11 @@ def summary_weights(q: torch.Tensor, num_kv_heads: int,
 def weighted_scores(kmin: torch.Tensor, kmax: torch.Tensor, w_max: torch.Tensor,
                     w_min: torch.Tensor) -> torch.Tensor:
     """kmin/kmax [..., n, Hkv, d], weights [..., Hkv, d] -> scores [..., Hkv, n]."""
-    # multiply-add + sum over d: on CPU several times faster than einsum or a gathered batch
+    # products summed over d: on CPU several times faster than einsum or a gathered batch.
+    # Mixed dtypes (bf16 summaries, fp32 weights) multiply in fp32 without a converted copy.
     w_max, w_min = w_max[..., None, :, :], w_min[..., None, :, :]
-    return torch.addcmul(kmax.float() * w_max, kmin.float(), w_min).sum(-1).transpose(-1, -2)
+    scores = torch.mul(kmax, w_max).sum(-1).add_(torch.mul(kmin, w_min).sum(-1))
+    return scores.transpose(-1, -2)
 
 
 def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,

@@ -1,7 +1,7 @@
 """`oasiskv bench throughput` on a tiny model: under a budget for about two dense requests,
 dense runs fewer at a time than sparse, nothing fails, every mode produces every token; the
 HF peer decodes from the same prompt K/V and agrees with dense; several f_hbm values give an
-ablation whose fetch traffic grows with the cap."""
+ablation whose fetch traffic grows with the cap; repeated rounds report the median run."""
 
 import json
 
@@ -16,11 +16,14 @@ def test_throughput_bench_dense_vs_sparse(tmp_path, capsys):
     # 256 B per token: a dense request (308 tokens) needs 20 blocks of 4 KiB, 2 fit in 42
     assert main(["bench", "throughput", "--model", str(model), "--context", "300",
                  "--concurrency", "1,6", "--output-len", "8", "--device-kv-budget", "170KiB",
-                 "--top-k", "2", "--f-hbm", "0.5,1.0", "--peer", "hf", "--json", str(out),
-                 "--plot", str(png)]) == 0
+                 "--top-k", "2", "--f-hbm", "0.5,1.0", "--peer", "hf", "--repeats", "3",
+                 "--json", str(out), "--plot", str(png)]) == 0
     printed = capsys.readouterr().out
     assert "TPS / dense" in printed and "f_hbm ablation" in printed
     all_rows = json.loads(out.read_text())["rows"]
+    for r in all_rows:  # the median of three runs, with every run's figure beside it
+        assert r["repeats"] == 3 and sorted(r["tps_runs"])[1] == r["tps"]
+        assert r["tps_range"] == f"{min(r['tps_runs']):.3g}-{max(r['tps_runs']):.3g}"
     rows = {(r["concurrency"], r["mode"], r.get("f_hbm")): r for r in all_rows}
     assert set(rows) == {(c, m, f) for c in (1, 6) for m, f in
                          (("dense", None), ("sparse", "0.5"), ("sparse", "1.0"), ("hf", None))}
@@ -30,7 +33,9 @@ def test_throughput_bench_dense_vs_sparse(tmp_path, capsys):
         capped, free = rows[(c, "sparse", "0.5")], rows[(c, "sparse", "1.0")]
         assert capped["fetch_cap"] == 1 and free["fetch_cap"] == 2
         assert capped["bytes_per_step"] <= free["bytes_per_step"]
-        assert free["kept"] == 1.0 and "vs_hf" in free
+        assert free["kept"] == 1.0 and free["vs_hf"] == free["tps"] / hf["tps"]
+        rounds = zip(free["tps_runs"], hf["tps_runs"], strict=True)
+        assert free["vs_hf_rounds"] == [a / b for a, b in rounds]
     rows = {(c, m): r for (c, m, f), r in rows.items() if f in (None, "0.5")}
     assert all(r["failed"] == 0 for r in rows.values())
     assert rows[(6, "sparse")]["running"] > 2 * rows[(6, "dense")]["running"]
@@ -51,3 +56,9 @@ def test_prompt_kv_is_cached_across_runs(tmp_path):
         runs.append(json.loads(out.read_text()))
     assert runs[0]["prefill_s"]["100"] > 0 and runs[1]["prefill_s"]["100"] == 0
     assert len(list((tmp_path / "kv").glob("*.safetensors"))) == 2
+
+
+def test_repeats_below_one_fail_first(tmp_path, capsys):
+    model = build_model_dir(tmp_path / "m")
+    assert main(["bench", "throughput", "--model", str(model), "--repeats", "0"]) == 2
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
