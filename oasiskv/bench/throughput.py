@@ -129,9 +129,13 @@ def plot(rows: list[dict], path: str, title: str) -> None:
                      and r["mode"] == mode and (r.get("f_hbm") or "") == f_hbm)
         xs = [c for c, _ in pts]
         label = f"{mode}{f' f_hbm={f_hbm}' if f_hbm else ''} {context}"
-        a.plot(xs, [r["tps"] for _, r in pts], style, label=label)
+        spread = [[r["tps"] - min(r["tps_runs"]) for _, r in pts],
+                  [max(r["tps_runs"]) - r["tps"] for _, r in pts]]
+        a.errorbar(xs, [r["tps"] for _, r in pts], yerr=spread, fmt=style, capsize=3,
+                   label=label)
         b.plot(xs, [r["running"] for _, r in pts], style, label=label)
-    for ax, label in ((a, "output tokens / s"), (b, "mean running batch")):
+    for ax, label in ((a, "output tokens / s (bars: min-max of the runs)"),
+                      (b, "mean running batch")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency (requests arriving at once)")
         ax.set_ylabel(label)
