@@ -52,11 +52,14 @@ class RotaryEmbedding(nn.Module):
     def _tables(self, positions: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows of `positions`, [N, 1, d]. Every layer of a forward pass gets the same
-        positions tensor: the rows are gathered once per pass, not once per layer."""
-        if self._last is None or self._last[0] is not positions or self._last[1] != dtype:
-            self._last = (positions, dtype, (self.cos[positions].unsqueeze(1).to(dtype),
-                                             self.sin[positions].unsqueeze(1).to(dtype)))
-        return self._last[2]
+        positions tensor: the rows are gathered once per pass, not once per layer. (One read
+        of `_last`: a model shared by engines in two threads still gets its own rows.)"""
+        last = self._last
+        if last is None or last[0] is not positions or last[1] != dtype:
+            last = (positions, dtype, (self.cos[positions].unsqueeze(1).to(dtype),
+                                       self.sin[positions].unsqueeze(1).to(dtype)))
+            self._last = last
+        return last[2]
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
