@@ -34,8 +34,6 @@ class RotaryEmbedding(nn.Module):
             head_dim, max_position, theta, scaling)
         self.register_buffer("cos", torch.empty(max_position, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_position, head_dim), persistent=False)
-        # (positions, dtype, (cos, sin)) of the last call: layers share a pass's positions
-        self._last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, ...]] | None = None
         self.build()
 
     def build(self) -> None:
@@ -47,29 +45,23 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1).to(self.cos.device)
         self.cos, self.sin = emb.cos(), emb.sin()
-        self._last = None
 
-    def _tables(self, positions: torch.Tensor,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows of `positions`, [N, 1, d]. Every layer of a forward pass gets the same
-        positions tensor: the rows are gathered once per pass, not once per layer. (One read
-        of `_last`: a model shared by engines in two threads still gets its own rows.)"""
-        last = self._last
-        if last is None or last[0] is not positions or last[1] != dtype:
-            last = (positions, dtype, (self.cos[positions].unsqueeze(1).to(dtype),
-                                       self.sin[positions].unsqueeze(1).to(dtype)))
-            self._last = last
-        return last[2]
+    def tables(self, positions: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows of `positions` ([N]) in `dtype`, [N, 1, d] each. A model gathers them
+        once per forward pass and hands them to every layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q [N, H, d], k [N, Hkv, d], positions [N]
-        cos, sin = self._tables(positions, q.dtype)  # [N, 1, d]
+        # q [N, H, d], k [N, Hkv, d], rope: `tables` of their positions
+        cos, sin = rope
         q = q * cos + self._rotate_half(q) * sin
         k = k * cos + self._rotate_half(k) * sin
         return q, k

@@ -30,14 +30,14 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(h, hkv, d, scale=d**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]  # x [N, D]
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]  # x [N, D]; rope: the pass's cos/sin rows (RotaryEmbedding.tables)
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(rope, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -60,8 +60,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -79,9 +79,10 @@ class LlamaModel(nn.Module):
         """Final hidden states [N, D]; with aux_layers also the outputs of those layers
         concatenated, [N, len(aux_layers) * D] (the features an EAGLE-style drafter reads)."""
         x = self.embed_tokens(input_ids)  # [N, D]
+        rope = self.rotary.tables(positions, x.dtype)  # once per pass, not once per layer
         aux = []
         for i, layer in enumerate(self.layers):
-            x = layer(positions, x)
+            x = layer(rope, x)
             if i in aux_layers:
                 aux.append(x)
         hidden = self.norm(x)

@@ -85,7 +85,7 @@ class HeadAttention(nn.Module):
         q = self.q_proj(x).view(b * s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b * s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions.repeat(b), q, k)
+        q, k = self.rotary(self.rotary.tables(positions.repeat(b), q.dtype), q, k)
         q, k = q.view(b, s, self.num_heads, -1), k.view(b, s, self.num_kv_heads, -1)
         kpos = positions
         if past is not None:

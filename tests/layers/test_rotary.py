@@ -1,4 +1,4 @@
-"""RoPE against a float64 rotation computed here, also when layers reuse the pass's tables."""
+"""RoPE against a float64 rotation computed here: one pass's tables serve several layers."""
 
 import torch
 
@@ -18,15 +18,16 @@ def test_rotary_matches_reference_across_calls():
     rope = RotaryEmbedding(16, 64, 10000.0)
     g = torch.Generator().manual_seed(0)
     first, second = torch.tensor([0, 5, 63]), torch.tensor([1, 2, 3])
-    for positions in (first, first, second, first):  # a pass's layers, then a new pass
+    tables = {0: rope.tables(first, torch.float32), 1: rope.tables(second, torch.float32)}
+    for pass_, positions in ((0, first), (0, first), (1, second)):  # a pass's layers, another
         q, k = torch.randn(3, 4, 16, generator=g), torch.randn(3, 2, 16, generator=g)
-        q_rot, k_rot = rope(positions, q, k)
+        q_rot, k_rot = rope(tables[pass_], q, k)
         torch.testing.assert_close(q_rot.double(), rotate_reference(q, positions, 10000.0),
                                    atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(k_rot.double(), rotate_reference(k, positions, 10000.0),
                                    atol=1e-5, rtol=1e-5)
     q = torch.randn(3, 4, 16, generator=g).bfloat16()  # same positions, another dtype
-    q_rot, _ = rope(first, q, q[:, :2])
+    q_rot, _ = rope(rope.tables(first, torch.bfloat16), q, q[:, :2])
     assert q_rot.dtype == torch.bfloat16
     torch.testing.assert_close(q_rot.double(), rotate_reference(q, first, 10000.0),
                                atol=0.05, rtol=0.02)
