@@ -4,8 +4,8 @@ import torch
 
 
 def summarize(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys [Hkv, n, B, d] (n whole blocks) -> kmin, kmax, each [n, Hkv, d]."""
-    return keys.amin(dim=2).transpose(0, 1), keys.amax(dim=2).transpose(0, 1)
+    """keys [..., Hkv, n, B, d] (n whole blocks) -> kmin, kmax, each [..., n, Hkv, d]."""
+    return keys.amin(dim=-2).transpose(-3, -2), keys.amax(dim=-2).transpose(-3, -2)
 
 
 def round_outward(kmin: torch.Tensor, kmax: torch.Tensor,
