@@ -92,3 +92,24 @@ def test_hf_incremental_decode_with_cache_agrees(tmp_path):
     got, _ = run_chunks(model, tokens, [30] + [1] * 10)
     torch.testing.assert_close(got[[29] + list(range(30, 40))], torch.stack(ref),
                                atol=1e-4, rtol=1e-4)
+
+
+def test_fused_projections_load_from_separate_ones(tmp_path):
+    """q/k/v and gate/up load stacked into the fused products; a checkpoint missing one part
+    is refused with the fused projection and the parts named."""
+    path = build_model_dir(tmp_path, "qwen2")  # q/k/v biases too
+    ckpt = load_checkpoint(path)
+    model = LlamaForCausalLM(ModelConfig.from_hf(ckpt.hf_config))
+    model.load_weights(ckpt.state_dict)
+    layer, sd = model.model.layers[0], ckpt.state_dict
+    prefix = "model.layers.0."
+    assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat(
+        [sd[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"]))
+    assert torch.equal(layer.self_attn.qkv_proj.bias, torch.cat(
+        [sd[prefix + f"self_attn.{p}_proj.bias"] for p in "qkv"]))
+    assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat(
+        [sd[prefix + f"mlp.{p}_proj.weight"] for p in ("gate", "up")]))
+    broken = {k: v for k, v in sd.items() if k != prefix + "self_attn.k_proj.weight"}
+    with pytest.raises(ValueError, match=r"missing \['model.layers.0.self_attn.qkv_proj.weight'\]"
+                                         r".*unexpected .*q_proj.weight"):
+        LlamaForCausalLM(ModelConfig.from_hf(ckpt.hf_config)).load_weights(broken)
