@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.spec.drafters import NgramDrafter, ResyncDrafter, SelfDrafter, make_drafter
@@ -34,6 +36,46 @@ def test_ngram_prefers_the_longest_latest_match():
     assert NgramDrafter(sizes=(2,)).propose(tokens, None, None) == [8]
     # two guesses: the 3-gram's and then the 2-gram's
     assert NgramDrafter().propose(tokens, None, None, num=2) == [9, 8]
+
+
+def lookup_reference(tokens, sizes=(3, 2, 1), num=1):
+    """Prompt lookup by brute force: for each size, the token after the latest earlier
+    occurrence of the last `size` tokens; padded with the newest tokens."""
+    guesses = []
+    for n in sizes:
+        tail = tokens[-n:]
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tail]
+        if len(tokens) > n and starts:
+            guesses.append(tokens[starts[-1] + n])
+            if len(set(guesses)) >= num:
+                break
+    out = list(dict.fromkeys(guesses))
+    for t in reversed(tokens):
+        if len(out) >= num:
+            break
+        if t not in out:
+            out.append(t)
+    return out[:num]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=60), st.integers(1, 3))
+def test_ngram_equals_brute_force_lookup_as_a_request_grows(tokens, num):
+    """One request's growing token list (its cached array extended call by call), and a fresh
+    drafter on the whole list, both equal the brute-force lookup."""
+    d = NgramDrafter()
+    for end in range(1, len(tokens) + 1, 3):
+        assert d.propose(tokens[:end], None, None, num, "r") == lookup_reference(tokens[:end],
+                                                                                 num=num)
+    assert NgramDrafter().propose(tokens, None, None, num) == lookup_reference(tokens, num=num)
+    d.release("r")
+    assert d.propose([4, 4, 4], None, None, 1, "r") == [4]  # a new request, same id
+
+
+def test_ngram_rebuilds_a_request_array_that_no_longer_matches():
+    d = NgramDrafter()
+    assert d.propose([1, 2], None, None, 1, "r") == [2]
+    assert d.propose([5, 6, 5], None, None, 1, "r") == [6]  # not [1, 2, 5]: rebuilt
 
 
 def test_ngram_falls_back_to_the_self_draft():
