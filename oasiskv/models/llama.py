@@ -15,10 +15,10 @@ from oasiskv.layers.linear import Linear
 from oasiskv.layers.norm import RMSNorm
 from oasiskv.layers.rotary import RotaryEmbedding
 
-# checkpoint projection -> (fused projection, its place in it): one wider product per step
+# fused projection -> the checkpoint's projections stacked in it: one wider product per step
 # instead of several (7 -> 4 linear calls per layer, 10 % less linear time on CPU)
-FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+PART_OF = {part: (fused, i) for fused, parts in FUSED.items() for i, part in enumerate(parts)}
 
 
 def stack_fused(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -29,15 +29,15 @@ def stack_fused(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name, w in state_dict.items():
         module, _, kind = name.rpartition(".")  # kind: weight | bias
         parent, _, proj = module.rpartition(".")
-        if proj in FUSED:
-            fused, index = FUSED[proj]
-            parts.setdefault(f"{parent}.{fused}.{kind}", {})[index] = name
+        if proj in PART_OF:
+            fused, index = PART_OF[proj]
+            parts.setdefault((parent, fused, kind), {})[index] = name
         else:
             out[name] = w
-    for fused, names in parts.items():
-        size = sum(f == fused.split(".")[-2] for f, _ in FUSED.values())
-        if len(names) == size:
-            out[fused] = torch.cat([state_dict[names[i]] for i in range(size)])
+    for (parent, fused, kind), names in parts.items():
+        if len(names) == len(FUSED[fused]):
+            out[f"{parent}.{fused}.{kind}"] = torch.cat([state_dict[names[i]]
+                                                         for i in range(len(names))])
         else:
             out.update({n: state_dict[n] for n in names.values()})
     return out
