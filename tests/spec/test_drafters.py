@@ -6,7 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oasiskv import LLM, SamplingParams
-from oasiskv.spec.drafters import NgramDrafter, ResyncDrafter, SelfDrafter, make_drafter
+from oasiskv.spec.drafters import (
+    NgramDrafter,
+    ResyncDrafter,
+    SelfDrafter,
+    _fill,
+    make_drafter,
+)
 
 
 def logits_favouring(*tokens, vocab=50):
@@ -40,7 +46,7 @@ def test_ngram_prefers_the_longest_latest_match():
 
 def lookup_reference(tokens, sizes=(3, 2, 1), num=1):
     """Prompt lookup by brute force: for each size, the token after the latest earlier
-    occurrence of the last `size` tokens; padded with the newest tokens."""
+    occurrence of the last `size` tokens; padded as the drafter pads (`_fill`)."""
     guesses = []
     for n in sizes:
         tail = tokens[-n:]
@@ -49,13 +55,7 @@ def lookup_reference(tokens, sizes=(3, 2, 1), num=1):
             guesses.append(tokens[starts[-1] + n])
             if len(set(guesses)) >= num:
                 break
-    out = list(dict.fromkeys(guesses))
-    for t in reversed(tokens):
-        if len(out) >= num:
-            break
-        if t not in out:
-            out.append(t)
-    return out[:num]
+    return _fill(guesses, tokens, num)
 
 
 @settings(max_examples=60, deadline=None)
