@@ -236,7 +236,7 @@ class SelectJob:
         if self.heads is None or len(self.heads) == 0:
             return
         kv, B = self.kv, self.kv.cfg.block_size
-        L, _, hkv, slots, d = kv.device_kv.shape
+        _, _, hkv, slots, d = kv.device_kv.shape
         # both pools as rows of one head's block ([L * 2 * Hkv * blocks, B*d]): one
         # index_select and one index_copy_ of whole rows, 1.7x faster than indexing tokens
         device, host = kv.device_kv.view(-1, B * d), kv.host_kv.view(-1, B * d)

@@ -195,6 +195,7 @@ class EagleDrafter(Drafter):
         self.window = self.head.config.window
         self.feature_layers = tuple(self.head.config.aux_layers)
         self.states: dict[str, _HeadState] = {}
+        self.ngram = NgramDrafter()
 
     def observe(self, request_id, start, features):
         st = self.states.get(request_id)
@@ -215,7 +216,7 @@ class EagleDrafter(Drafter):
             if first <= last:
                 self._run(st, tokens, first, last)
         if st is None or st.logits is None or st.next_row != len(tokens):
-            return NgramDrafter().propose(tokens, None, prev_draft, num)
+            return self.ngram.propose(tokens, None, prev_draft, num, request_id)
         return self.head.d2t[torch.topk(st.logits, num).indices].tolist()
 
     def _run(self, st: _HeadState, tokens: list[int], first: int, last: int) -> None:
@@ -233,6 +234,7 @@ class EagleDrafter(Drafter):
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+        self.ngram.release(request_id)
 
 
 class ResyncEagleDrafter(EagleDrafter):
