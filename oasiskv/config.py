@@ -256,6 +256,12 @@ class CacheConfig:
         return kv_dtype if self.summary_dtype == "auto" else _DTYPES[self.summary_dtype]
 
     @property
+    def slab_blocks(self) -> int:
+        """sparse: device blocks of a request's slab: its K working-set slots, the active
+        block, and a draft block where each step's drafts' K/V sit for attention to read."""
+        return self.top_k + 2
+
+    @property
     def fetch_cap(self) -> int:
         """Newly admitted blocks per head, layer and step once a working set is seeded."""
         f_hbm = 0.05 if self.f_hbm == "auto" else self.f_hbm  # auto starts here
@@ -344,6 +350,9 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.cache.kv_mode == "sparse" and self.spec.num_drafts > self.cache.block_size:
+            raise ValueError(f"num_drafts is {self.spec.num_drafts}; a sparse request's drafts "
+                             f"share one block (block_size {self.cache.block_size})")
 
     @property
     def torch_dtype(self) -> torch.dtype:

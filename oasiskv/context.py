@@ -12,6 +12,7 @@ import torch
 
 if TYPE_CHECKING:
     from oasiskv.kv.residency import SparseKV
+    from oasiskv.layers.attention import SlabGroup
 
 
 @dataclass
@@ -30,6 +31,10 @@ class SeqAttention:
     # plus its own K/V, never written to the cache; the normal token never sees them.
     draft_rows: list[int] = field(default_factory=list)
     draft_valid: torch.Tensor | None = None  # [Hkv, kv_len]
+    # sparse decode: the token slots right after kv_len (the slab's draft block) where this
+    # step writes its drafts' K/V, draft i at slot i (the rest hold finite values, unseen);
+    # attention reads them with the slab. 0: the drafts' K/V are not in the pool.
+    draft_slots: int = 0
 
     @property
     def num_queries(self) -> int:
@@ -53,8 +58,8 @@ class StepContext:
     # layer -> (k, v) [N, Hkv, d] of the step's rows, kept when drafts may be accepted
     draft_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     # attention's batches of equal sparse slabs (layers/attention.slab_groups), set by the
-    # first layer: (rows [R, 1+m], requests) per batch
-    slab_groups: list[tuple[torch.Tensor, list[SeqAttention]]] | None = None
+    # first layer
+    slab_groups: list[SlabGroup] | None = None
 
 
 _CONTEXT: StepContext | None = None

@@ -188,7 +188,7 @@ def test_generate_sparse_prints_per_step_figures(tiny_llama, tmp_path, capsys):
         assert float(value) == pytest.approx(mean / scale, abs=0.51)
     s = data["stats"]
     assert s["sparse_admitted"] <= s["sparse_wanted"] and s["sparse_hits"] > 0
-    assert s["slab_bytes"] == 3 * s["kv_bytes_per_block"]
+    assert s["slab_bytes"] == 4 * s["kv_bytes_per_block"]  # K=2: working set, active, drafts
     assert "| step | seqs |" in err  # the --step-stats table
     assert "prefetch stall" in line
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]

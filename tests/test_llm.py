@@ -93,6 +93,7 @@ def test_every_config_field_is_an_llm_keyword(tiny_llama, name):
                                             "max_num_batched_tokens"),
     ({"max_model_len": 0}, "max_model_len"), ({"summary_dtype": "int8"}, "summary_dtype"),
     ({"max_num_seq": 4}, r"unknown config option.*max_num_seq"),
+    ({"kv_mode": "sparse", "num_drafts": 17}, r"num_drafts is 17.*block_size 16"),
 ])
 def test_config_validation(tiny_llama, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -6,7 +6,7 @@ sparse run alternately on the same first c prompts, all arriving at once: each e
 the prompt K/V (`add_request(prefix_kv=)`), computes the last prompt token and decodes
 --output-len greedy tokens. A dense request needs its whole context on the device, so under
 the budget dense runs fewer requests at a time (the rest wait; none are dropped); a sparse
-request needs one K+1-block slab. Reported per row: TPS (output tokens / wall time from
+request needs one K+2-block slab. Reported per row: TPS (output tokens / wall time from
 arrival to the last token), mean TPOT and TTFT, the mean running batch (requests decoding
 per step), preemptions, and the sparse/dense ratios. With --repeats R every mode (and peer)
 runs R times, one after another in rounds, and the row is its median-TPS run: the machine's

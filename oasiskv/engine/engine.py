@@ -139,7 +139,7 @@ class LLMEngine:
             # a block's kmin/kmax take 2 of its 2B rows: B summaries per device block in the
             # KV dtype, 2B in one half its size
             per_block = block * dtype.itemsize // summary_dtype.itemsize
-            self.kv = KVAllocator(self.pool, self.host_pool, slab_blocks=cache.top_k + 1,
+            self.kv = KVAllocator(self.pool, self.host_pool, slab_blocks=cache.slab_blocks,
                                   summaries=None if remote is None else
                                   BlockPool(summary_ids, block),
                                   summaries_per_block=max(per_block, 1))
@@ -650,7 +650,7 @@ class LLMEngine:
                           host_blocks_total=self.host_pool.num_blocks,
                           host_bytes_held=self.host_pool.num_used * self.bytes_per_block,
                           host_peak_bytes=self.host_pool.peak_used * self.bytes_per_block,
-                          slab_bytes=(self.config.cache.top_k + 1) * self.bytes_per_block,
+                          slab_bytes=self.config.cache.slab_blocks * self.bytes_per_block,
                           fetch_cap=self.sparse.fetch_cap)
             if self.sparse.remote is not None:
                 sparse.update(self._host_cache_stats())

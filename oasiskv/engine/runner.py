@@ -83,10 +83,11 @@ class ModelRunner:
                 attn = self._view(seq.block_table, row, n, end, pool)
             elif is_decode(seq, n):  # sparse decode: into the slab's active slot
                 k = self.sparse.cfg.top_k
-                slab = seq.block_table[:k + 1]
+                slab = seq.block_table[:k + 2]  # working set, active block, draft block
                 pool = "device"
                 slots = torch.tensor([slab[k] * self.block_size + start % self.block_size])
                 attn = self._view(slab, row, n, (k + 1) * self.block_size, pool)
+                attn.draft_slots = self.block_size
                 decodes.append((seq, attn))
             else:  # sparse prefill: K/V go to the host tier, attention reads it there
                 pool, slots = "host", self._token_slots(seq.host_table, start, end)
@@ -96,13 +97,20 @@ class ModelRunner:
             writes[pool][1].append(slots)
             ctx.seqs.append(attn)
             row += n
-        # Draft tokens ride along after the normal rows: position p+1, never written.
+        # Draft tokens ride along after the normal rows: position p+1, never cached. A sparse
+        # request's drafts write their K/V to its slab's draft block (overwritten every step):
+        # attention reads them there with the slab.
         for (seq, n), attn in zip(batch, ctx.seqs, strict=True):
             if seq.draft_tokens and is_decode(seq, n):
-                attn.draft_rows = list(range(row, row + len(seq.draft_tokens)))
+                m = len(seq.draft_tokens)
+                attn.draft_rows = list(range(row, row + m))
                 ids += seq.draft_tokens
-                positions.append(torch.full((len(seq.draft_tokens),), seq.num_computed_tokens + 1))
-                row += len(seq.draft_tokens)
+                positions.append(torch.full((m,), seq.num_computed_tokens + 1))
+                if attn.draft_slots:
+                    start = seq.block_table[self.sparse.cfg.top_k + 1] * self.block_size
+                    writes["device"][0].append(torch.arange(row, row + m))
+                    writes["device"][1].append(start + torch.arange(m))
+                row += m
         ctx.writes = [KVWrite(pool, torch.cat(r).to(self.device), torch.cat(s).to(self.device))
                       for pool, (r, s) in writes.items()]
         if self.sparse is not None:

@@ -119,10 +119,10 @@ class KVAllocator:
     """How many blocks of each tier a request holds for a number of tokens.
 
     dense: every block on the device, allocated as the request grows (a request that cannot
-    grow preempts another). sparse: on the device a slab of K+1 blocks (the working set, first
-    in the block table) plus room for the summaries of its history (`summaries_per_block`: a
-    block's kmin/kmax are 2 of its 2B rows, so B summaries per device block when they have the
-    KV dtype, 2B in half of it); in the host tier its whole possible
+    grow preempts another). sparse: on the device a slab of K+2 blocks (working set, active
+    and draft blocks, first in the block table) plus room for the summaries of its history
+    (`summaries_per_block`: a block's kmin/kmax are 2 of its 2B rows, so B summaries per device
+    block when they have the KV dtype, 2B in half of it); in the host tier its whole possible
     history. Both are reserved at admission, so a running sparse request never needs more
     memory and is never preempted: recomputing it would lose its working-set history.
 
@@ -214,8 +214,9 @@ class KVAllocator:
         need = self.device_blocks_for(num_tokens)
         if need > self.device.num_blocks:
             return (f"a sparse request of up to {num_tokens} tokens needs {need} device blocks "
-                    f"(top_k + 1 for its working set, the rest for its block summaries), the "
-                    f"device KV budget holds {self.device.num_blocks}")
+                    f"(top_k + 2 for its slab: working set, active and draft blocks; the rest "
+                    f"for its block summaries), the device KV budget holds "
+                    f"{self.device.num_blocks}")
         # the whole history passes through the host during prefill, remote store or not
         need = self.host.blocks_for(num_tokens) if host_blocks is None else host_blocks
         have = self.host.num_blocks

@@ -1,7 +1,8 @@
 """Device working sets of sparse requests: head maps, local fetch, block fills (paper §3.2).
 
-A sparse request holds one slab of K+1 device blocks. Slot s < K of KV head g holds the
-logical block head_map[s, g]; slot K is the active (filling) block, attended by every head.
+A sparse request holds one slab of K+2 device blocks. Slot s < K of KV head g holds the
+logical block head_map[s, g]; slot K is the active (filling) block, attended by every head;
+slot K+1 holds the step's drafts' K/V (the runner writes them, attention reads them).
 The host tier holds the request's complete history as whole blocks; the summary (kmin/kmax)
 of every complete block lives on the device and drives selection. Summaries are indexed by
 the request's summary ids (`seq.summary_ids`), host blocks by `seq.host_table`: the same ids
@@ -247,9 +248,10 @@ class SparseKV:
         from there; then the active block's tokens before `pos`; empty slots are zeroed."""
         K, B = self.cfg.top_k, self.cfg.block_size
         slab = torch.tensor(seq.block_table[:K + 1], dtype=torch.long) * B  # [K+1]
-        # Empty slots are masked out, but 0 * NaN is NaN in probs @ V: clear the slab's bytes.
-        for start in slab.tolist():
-            self.device_kv[:, :, :, start:start + B] = 0
+        # Empty slots are masked out, but 0 * NaN is NaN in probs @ V: clear the slab's bytes
+        # (draft slots included: attention reads them all, the step's drafts' K/V in a few).
+        for block in seq.block_table[:self.cfg.slab_blocks]:
+            self.device_kv[:, :, :, block * B:(block + 1) * B] = 0
         if slots is not None:
             L, _, _, hkv, _, d = slots.shape
             empty = (seq.working_set.head_map < 0)[:, :, None, :, None, None]  # [L, K, 1, Hkv]

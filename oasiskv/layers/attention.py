@@ -4,8 +4,11 @@ Pool layout per layer: `[Hkv, num_blocks * B, d]` (token slot = block * B + offs
 head axis outermost means a request whose blocks are contiguous is a strided *view* of the pool,
 so decode reads its KV in place; only fragmented block tables pay for a gather. A sparse
 request's working set is the same shape, one slab of K+1 blocks whose slots hold different
-blocks per head, so dense and sparse requests share this code; only the mask differs.
+blocks per head, so dense and sparse requests share this code; only the mask differs. (A
+sparse slab has one more block, its draft slots, where a step's drafts write their K/V.)
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -14,20 +17,33 @@ from torch import nn
 from oasiskv.context import SeqAttention, get_context
 
 
-def slab_groups(seqs: list[SeqAttention],
-                device: torch.device) -> list[tuple[torch.Tensor, list[SeqAttention]]]:
-    """Sparse decodes with equal slabs and draft counts, two or more per group, sorted by slab:
-    (rows [R, 1+m] of the normal token and its drafts, the group's requests)."""
-    groups: dict[tuple[int, int], list[SeqAttention]] = {}
+@dataclass
+class SlabGroup:
+    """Sparse decodes attended in one batch: equal slabs, draft slots and draft counts."""
+
+    rows: torch.Tensor  # [R, 1+m] each request's normal row, then its drafts' rows
+    seqs: list[SeqAttention]  # sorted by slab
+    in_place: bool  # the windows (slab + draft slots) are one run of the pool, read as a view
+    hidden: torch.Tensor  # [1+m, 1, draft slots]: row 0 sees no draft slot, row 1+i slot i
+
+
+def slab_groups(seqs: list[SeqAttention], device: torch.device) -> list[SlabGroup]:
+    """The step's sparse decodes whose drafts' K/V (if any) are in their draft slots, grouped
+    by slab, draft slots and draft count."""
+    groups: dict[tuple[int, int, int], list[SeqAttention]] = {}
     for seq in seqs:
-        if seq.kv_valid is not None and seq.num_queries == 1 and seq.kv_start is not None:
-            groups.setdefault((seq.kv_len, len(seq.draft_rows)), []).append(seq)
+        m = len(seq.draft_rows)
+        if (seq.kv_valid is not None and seq.num_queries == 1 and seq.kv_start is not None
+                and seq.draft_valid is None and m <= seq.draft_slots):
+            groups.setdefault((seq.kv_len, seq.draft_slots, m), []).append(seq)
     out = []
-    for group in groups.values():
-        if len(group) > 1:
-            group.sort(key=lambda s: s.kv_start)
-            out.append((torch.tensor([[s.q_start, *s.draft_rows] for s in group],
-                                     device=device), group))
+    for (t, slots, m), group in groups.items():
+        group.sort(key=lambda s: s.kv_start)
+        first = group[0].kv_start
+        in_place = all(s.kv_start == first + i * (t + slots) for i, s in enumerate(group))
+        own = torch.arange(slots, device=device) == torch.arange(-1, m, device=device)[:, None]
+        out.append(SlabGroup(torch.tensor([[s.q_start, *s.draft_rows] for s in group],
+                                          device=device), group, in_place, ~own[:, None, :]))
     return out
 
 
@@ -58,9 +74,9 @@ class Attention(nn.Module):
                           device=q.device)
         if ctx.slab_groups is None:  # the same in every layer of the step: grouped once
             ctx.slab_groups = slab_groups(ctx.seqs, q.device)
-        for rows, group in ctx.slab_groups:
-            out[rows.flatten()] = self._attend_slabs(q[rows], group, k[rows], v[rows])
-        batched = {id(s) for _, group in ctx.slab_groups for s in group}
+        for group in ctx.slab_groups:
+            out[group.rows.flatten()] = self._attend_slabs(q[group.rows], group)
+        batched = {id(s) for group in ctx.slab_groups for s in group.seqs}
         for seq in ctx.seqs:
             if id(seq) in batched:
                 continue
@@ -111,54 +127,38 @@ class Attention(nn.Module):
              + torch.matmul(probs[..., t:].reshape(hkv, (1 + m) * g, m), vd))  # [Hkv, (1+m)G, d]
         return o.view(hkv, 1 + m, g, -1).transpose(0, 1).reshape(1 + m, -1)
 
-    def _attend_slabs(self, q: torch.Tensor, seqs: list[SeqAttention], k_new: torch.Tensor,
-                      v_new: torch.Tensor) -> torch.Tensor:
+    def _attend_slabs(self, q: torch.Tensor, group: SlabGroup) -> torch.Tensor:
         """Sparse decodes with equal slabs (T slots, contiguous) and m drafts each, in one batch:
-        q/k_new/v_new [R, 1+m, heads, d] hold [normal, drafts...] rows of `seqs` (sorted by
-        slab) -> [R*(1+m), H*d]. The same masks as `_attend_with_drafts`, without a Python loop
-        over requests. When the slabs sit side by side in the pool (the allocator puts them so),
-        the batched matmuls read them in place, with no copy of the working sets."""
+        q [R, 1+m, heads, d] holds the rows of `group` -> [R*(1+m), H*d]. A request's window is
+        its slab and then its draft slots, where this step wrote its drafts' K/V: the normal
+        token sees the slab's valid slots, draft i those and its own K/V. When the windows sit
+        side by side (the allocator puts them so), the batched matmuls read them in place,
+        with no copy of the working sets."""
         R, n = q.shape[:2]
-        m, g, hkv, t, d = n - 1, self.group, self.num_kv_heads, seqs[0].kv_len, self.head_dim
+        seqs = group.seqs
+        g, hkv, t, d = self.group, self.num_kv_heads, seqs[0].kv_len, self.head_dim
+        window = t + seqs[0].draft_slots
         k_cache, v_cache = self.pools[seqs[0].pool]
         first = seqs[0].kv_start
-        if all(s.kv_start == first + i * t for i, s in enumerate(seqs)):  # side by side: views
-            keys = k_cache[:, first:first + R * t].view(hkv, R, t, d)
-            values = v_cache[:, first:first + R * t].view(hkv, R, t, d)
-        else:  # stacking the slabs' views copies whole runs (3x faster than an index gather)
-            keys = torch.stack([k_cache[:, s.kv_start:s.kv_start + t] for s in seqs], 1)
-            values = torch.stack([v_cache[:, s.kv_start:s.kv_start + t] for s in seqs], 1)
-        qg = q.view(R, n, hkv, g, d).permute(2, 0, 1, 3, 4)  # [Hkv, R, 1+m, G, d]
-        qh = qg.reshape(hkv, R, n * g, d)
-        scores = q.new_empty(hkv, R, n * g, t)
-        for h in range(hkv):  # per KV head: [R, T, d] is one strided batch, read in place
+        if group.in_place:  # views [Hkv, R, window, d]
+            keys = k_cache[:, first:first + R * window].view(hkv, R, window, d)
+            values = v_cache[:, first:first + R * window].view(hkv, R, window, d)
+        else:  # stacking the windows' views copies whole runs (3x faster than an index gather)
+            keys = torch.stack([k_cache[:, s.kv_start:s.kv_start + window] for s in seqs], 1)
+            values = torch.stack([v_cache[:, s.kv_start:s.kv_start + window] for s in seqs], 1)
+        qh = q.view(R, n, hkv, g, d).permute(2, 0, 1, 3, 4).reshape(hkv, R, n * g, d)
+        scores = q.new_empty(hkv, R, n * g, window)
+        for h in range(hkv):  # per KV head: [R, window, d] is one strided batch, read in place
             torch.bmm(qh[h], keys[h].transpose(1, 2), out=scores[h])
-        scores = scores.view(hkv, R, n, g, t).mul_(self.scale)
+        scores = scores.view(hkv, R, n, g, window).mul_(self.scale)
         valid = torch.stack([s.kv_valid for s in seqs], 1)  # [Hkv, R, T]
-        if any(s.draft_valid is not None for s in seqs):
-            draft_valid = torch.stack([s.kv_valid if s.draft_valid is None else s.draft_valid
-                                       for s in seqs], 1)
-            scores[:, :, 0].masked_fill_(~valid[:, :, None, :], float("-inf"))
-            scores[:, :, 1:].masked_fill_(~draft_valid[:, :, None, None, :], float("-inf"))
-        else:  # drafts see what the normal token sees: one mask for all rows
-            scores.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
-        if m > 0:
-            kd = k_new[:, 1:].permute(2, 0, 1, 3)  # [Hkv, R, m, d]
-            own = torch.full((hkv, R, n, g, m), float("-inf"), dtype=scores.dtype,
-                             device=scores.device)
-            # a multiply and a sum: 5x faster than einsum's tiny batched matmuls on CPU
-            diag = (qg[:, :, 1:] * kd[:, :, :, None]).sum(-1) * self.scale  # [Hkv, R, m, G]
-            idx = torch.arange(m, device=q.device)
-            own[:, :, 1 + idx, :, idx] = diag.permute(2, 0, 1, 3)  # draft i sees only itself
-            scores = torch.cat([scores, own], dim=-1)
+        scores[..., :t].masked_fill_(~valid[:, :, None, None, :], float("-inf"))
+        scores[..., t:].masked_fill_(group.hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        probs = probs.view(hkv, R, n * g, t + m)
+        probs = probs.view(hkv, R, n * g, window)
         out = q.new_empty(hkv, R, n * g, d)
         for h in range(hkv):
-            torch.bmm(probs[h, :, :, :t], values[h], out=out[h])
-        if m > 0:  # [Hkv, R, nG, m, 1] * [Hkv, R, 1, m, d], summed over the drafts
-            vd = v_new[:, 1:].permute(2, 0, 1, 3)[:, :, None]
-            out += (probs[..., t:, None] * vd).sum(-2)
+            torch.bmm(probs[h], values[h], out=out[h])
         return out.view(hkv, R, n, g, d).permute(1, 2, 0, 3, 4).reshape(R * n, -1)
 
     def _attend(self, q: torch.Tensor, seq: SeqAttention, k_new: torch.Tensor,

@@ -46,8 +46,9 @@ def test_engine_stores_rounded_summaries_and_pays_half_their_device_blocks(tiny_
     llm = LLM(str(tiny_llama), summary_dtype=dtype, **kw)
     full = LLM(str(tiny_llama), **kw)
     tokens = 4096  # 256 blocks: 16 device blocks of fp32 summaries, 8 of half ones
-    assert full.engine.kv.device_blocks_for(tokens) - 3 == 16
-    assert llm.engine.kv.device_blocks_for(tokens) - 3 == 8
+    slab = llm.engine.config.cache.slab_blocks  # top_k + 2
+    assert full.engine.kv.device_blocks_for(tokens) - slab == 16
+    assert llm.engine.kv.device_blocks_for(tokens) - slab == 8
     sp, B = llm.engine.sparse, 16
     assert sp.kmin.dtype == sp.kmax.dtype == getattr(torch, dtype)
     seen = []

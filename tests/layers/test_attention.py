@@ -5,40 +5,65 @@ import pytest
 import torch
 
 from oasiskv.context import SeqAttention
-from oasiskv.layers.attention import Attention
+from oasiskv.layers.attention import Attention, slab_groups
 
-# slab starts: side by side (read in place), or three side by side and one apart (copied)
-LAYOUTS = {"side by side": [7, 27, 47, 67], "one apart": [7, 27, 47, 120]}
+# window starts (a slab of 20 slots, then 4 draft slots): side by side (read in place), or
+# three side by side and one apart (copied)
+LAYOUTS = {"side by side": [7, 31, 55, 79], "one apart": [7, 31, 55, 120]}
+
+
+def slab_batch(drafts: int, starts: list[int], g: torch.Generator, hkv: int = 2, group: int = 3,
+               d: int = 8, t: int = 20, slots: int = 4):
+    """An attention layer with random pools, the step's rows (q, k, v [R*n, heads, d], request
+    r's normal row r*n and its drafts after it) and one sparse decode per slab start, whose
+    drafts' K/V are written to the draft slots after its slab, as the runner does."""
+    attn = Attention(hkv * group, hkv, d, d ** -0.5)
+    attn.pools = {"device": (torch.randn(hkv, 200, d, generator=g),
+                             torch.randn(hkv, 200, d, generator=g))}
+    n, R = 1 + drafts, len(starts)
+    q = torch.randn(R * n, hkv * group, d, generator=g)
+    k, v = torch.randn(R * n, hkv, d, generator=g), torch.randn(R * n, hkv, d, generator=g)
+    seqs = []
+    for r, start in enumerate(starts):
+        valid = torch.rand(hkv, t, generator=g) > 0.3
+        valid[:, 0] = True  # every head sees something
+        rows = list(range(r * n + 1, (r + 1) * n))
+        seqs.append(SeqAttention(r * n, r * n + 1, t, start, None, kv_valid=valid,
+                                 draft_rows=rows, draft_slots=slots))
+        for pool, new in zip(attn.pools["device"], (k, v), strict=True):
+            pool[:, start + t:start + t + drafts] = new[rows].transpose(0, 1)
+    return attn, q, k, v, seqs
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("drafts", [0, 1, 2])
-@pytest.mark.parametrize("draft_masks", ["own", "shared"])
-def test_batched_slabs_equal_one_request_at_a_time(drafts, layout, draft_masks):
-    """draft_masks: some requests' drafts have their own mask, or all see the normal one's."""
-    g = torch.Generator().manual_seed(drafts)
-    hkv, group, d, t, R = 2, 3, 8, 20, 4
-    attn = Attention(hkv * group, hkv, d, d ** -0.5)
-    pool = (torch.randn(hkv, 200, d, generator=g), torch.randn(hkv, 200, d, generator=g))
-    attn.pools = {"device": pool}
-    n = 1 + drafts
-    q = torch.randn(R, n, hkv * group, d, generator=g)
-    k_new = torch.randn(R, n, hkv, d, generator=g)
-    v_new = torch.randn(R, n, hkv, d, generator=g)
-    seqs = []
-    for r in range(R):
-        valid = torch.rand(hkv, t, generator=g) > 0.3
-        valid[:, 0] = True  # every head sees something
-        seq = SeqAttention(r, r + 1, t, LAYOUTS[layout][r], None, kv_valid=valid,
-                           draft_rows=list(range(drafts)))
-        if r % 2 and drafts and draft_masks == "own":
-            seq.draft_valid = valid & (torch.rand(hkv, t, generator=g) > 0.5)
-            seq.draft_valid[:, 0] = True
-        seqs.append(seq)
-    got = attn._attend_slabs(q, seqs, k_new, v_new).view(R, n, -1)
+def test_batched_slabs_equal_one_request_at_a_time(drafts, layout):
+    """The batch reads the drafts' K/V from the pool; the one-request reference
+    (`_attend_with_drafts`) takes them from the step's rows."""
+    attn, q, k, v, seqs = slab_batch(drafts, LAYOUTS[layout], torch.Generator().manual_seed(drafts))
+    [group] = slab_groups(seqs, q.device)
+    assert group.seqs == seqs and group.in_place == (layout == "side by side")
+    got = attn._attend_slabs(q[group.rows], group).view(len(seqs), 1 + drafts, -1)
     for r, seq in enumerate(seqs):
+        both = [seq.q_start, *seq.draft_rows]
         if drafts:
-            want = attn._attend_with_drafts(q[r], seq, k_new[r], v_new[r])
+            want = attn._attend_with_drafts(q[both], seq, k[both], v[both])
         else:
-            want = attn._attend(q[r], seq, k_new[r], v_new[r])
+            want = attn._attend(q[both], seq, k[both], v[both])
         torch.testing.assert_close(got[r], want, atol=1e-5, rtol=1e-5)
+
+
+def test_slab_groups_leave_out_what_the_batch_cannot_read():
+    """Requests whose drafts have a mask of their own, or whose drafts' K/V are not in draft
+    slots, are attended one at a time; a lone request is a batch of one."""
+    attn, q, k, v, seqs = slab_batch(1, LAYOUTS["side by side"], torch.Generator().manual_seed(0),
+                                     slots=2)
+    seqs[1].draft_valid = seqs[1].kv_valid.clone()
+    seqs[2].draft_slots = 0
+    lone = SeqAttention(8, 9, 24, 150, None, kv_valid=torch.ones(2, 24, dtype=torch.bool))
+    groups = slab_groups([*seqs, lone], q.device)
+    assert [group.seqs for group in groups] == [[seqs[0], seqs[3]], [lone]]
+    assert [group.in_place for group in groups] == [False, True]
+    assert groups[0].rows.tolist() == [[0, 1], [6, 7]]
+    # row 0 sees no draft slot, the draft only its own
+    assert groups[0].hidden.squeeze(1).tolist() == [[True, True], [False, True]]

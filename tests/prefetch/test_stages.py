@@ -44,7 +44,8 @@ def test_side_by_side_batch_equals_requests_placed_apart(tiny_llama, monkeypatch
     monkeypatch.setattr(SelectJob, "_summary_stride", spy)
     tokens, tables, stats = run(LLM(str(tiny_llama), **kw), prompts)
     slabs = sorted(t[0] for t in tables)
-    assert slabs == [slabs[0] + i * (top_k + 1) for i in range(4)]  # side by side
+    slab = CacheConfig(top_k=top_k).slab_blocks
+    assert slabs == [slabs[0] + i * slab for i in range(4)]  # side by side
     assert strides and all(s > 0 for s in strides)  # summaries scored as one view
 
     # the placement before side-by-side runs: slabs and histories apart
@@ -53,7 +54,7 @@ def test_side_by_side_batch_equals_requests_placed_apart(tiny_llama, monkeypatch
     strides.clear()
     ref_tokens, ref_tables, ref_stats = run(LLM(str(tiny_llama), **kw), prompts)
     ref_slabs = sorted(t[0] for t in ref_tables)
-    assert ref_slabs != [ref_slabs[0] + i * (top_k + 1) for i in range(4)]
+    assert ref_slabs != [ref_slabs[0] + i * slab for i in range(4)]
     assert strides and not any(strides)
     assert tokens == ref_tokens
     for key in COUNTERS:
