@@ -474,7 +474,8 @@ class SparseKV:
         rows = [(d.attn.draft_rows if self.cfg.predictor == "lookahead" else []) or
                 [d.attn.q_start] for d in decodes]
         if len({len(r) for r in rows}) == 1:  # one gather for the batch (a copy: jobs keep it)
-            queries = q[torch.tensor(rows, device=q.device)].mean(1)  # [R, H, d]
+            index = torch.tensor(rows, device=q.device)  # [R, m]
+            queries = q[index[:, 0]] if index.shape[1] == 1 else q[index].mean(1)  # [R, H, d]
         else:
             queries = torch.stack([q[r].mean(0) for r in rows])
         for d in decodes:
