@@ -83,7 +83,7 @@ class ModelRunner:
                 attn = self._view(seq.block_table, row, n, end, pool)
             elif is_decode(seq, n):  # sparse decode: into the slab's active slot
                 k = self.sparse.cfg.top_k
-                slab = seq.block_table[:k + 2]  # working set, active block, draft block
+                slab = seq.block_table[:self.sparse.cfg.slab_blocks]  # + active, draft blocks
                 pool = "device"
                 slots = torch.tensor([slab[k] * self.block_size + start % self.block_size])
                 attn = self._view(slab, row, n, (k + 1) * self.block_size, pool)
