@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from oasiskv.compiled import compiled
+
 RANKS = 1 << 20  # more than any K: a stamp's rank part never reaches the next step
 
 
@@ -35,13 +37,15 @@ def summary_weights(q: torch.Tensor, num_kv_heads: int,
     return (total + magnitude) / 2, (total - magnitude) / 2
 
 
+@compiled
 def weighted_scores(kmin: torch.Tensor, kmax: torch.Tensor, w_max: torch.Tensor,
                     w_min: torch.Tensor) -> torch.Tensor:
     """kmin/kmax [..., n, Hkv, d], weights [..., Hkv, d] -> scores [..., Hkv, n]."""
-    # products summed over d: on CPU several times faster than einsum or a gathered batch.
-    # Mixed dtypes (bf16 summaries, fp32 weights) multiply in fp32 without a converted copy.
+    # Compiled: one pass that reads each summary once (bf16 summaries, fp32 weights multiply
+    # in fp32), at the memory's bandwidth; eager, each product is an fp32 temporary as large
+    # as the summaries (7K x 4 requests, 30 layers: 7.8 -> 3.2 ms of a step's selection).
     w_max, w_min = w_max[..., None, :, :], w_min[..., None, :, :]
-    scores = torch.mul(kmax, w_max).sum(-1).add_(torch.mul(kmin, w_min).sum(-1))
+    scores = torch.mul(kmax, w_max).sum(-1) + torch.mul(kmin, w_min).sum(-1)
     return scores.transpose(-1, -2)
 
 

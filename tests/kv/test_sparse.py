@@ -18,6 +18,7 @@ from oasiskv.kv.select import (
     select_capped_lru_batch,
     stamp,
     top_k_blocks,
+    weighted_scores,
 )
 
 # ---------------------------------------------------------------- scoring and top-K
@@ -47,6 +48,22 @@ def test_block_scores_equal_brute_force_bound(alpha):
         real = torch.stack([sum(keys[:, :, g] @ q[h] for h in range(g * group, (g + 1) * group))
                             for g in range(hkv)])  # [Hkv, n, 16]
         assert (real.amax(-1) <= got + 1e-4).all()
+
+
+def test_weighted_scores_of_strided_bf16_summaries_equal_float64():
+    """The batched path: bf16 summaries as a strided [layers, R, n, Hkv, d] view of the pool
+    (requests side by side), fp32 weights; compiled, it must equal the float64 sums."""
+    torch.manual_seed(2)
+    layers, R, n, hkv, d, stride = 3, 4, 13, 3, 8, 17
+    pool = [torch.randn(layers, R * stride, hkv, d).to(torch.bfloat16) for _ in range(2)]
+    lo, hi = (p.as_strided((layers, R, n, hkv, d), (p.stride(0), stride * hkv * d, hkv * d, d,
+                                                    1)) for p in pool)
+    w_max, w_min = torch.randn(layers, R, hkv, d), torch.randn(layers, R, hkv, d)
+    want = (torch.einsum("lrnhd,lrhd->lrhn", hi.double(), w_max.double())
+            + torch.einsum("lrnhd,lrhd->lrhn", lo.double(), w_min.double()))
+    got = weighted_scores(lo, hi, w_max, w_min)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_top_k_matches_sorting():
