@@ -29,6 +29,7 @@ from oasiskv.models.registry import resolve_model
 from oasiskv.outputs import RequestOutput
 from oasiskv.prefetch.executor import make_executor
 from oasiskv.prefetch.pipeline import PrefetchPipeline
+from oasiskv.prefetch.stages import warm_up_scores
 from oasiskv.prefetch.trace import Tracer
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.spec.drafters import make_drafter
@@ -154,6 +155,9 @@ class LLMEngine:
                                    PrefetchPipeline(executor), remote=remote,
                                    scales=[a.scale for a in self.model.attention_layers()])
             self.runner = ModelRunner(self.model, device_kv, block, host_kv, self.sparse)
+            t0 = time.perf_counter()
+            warm_up_scores(self.sparse.kmin)
+            log.info("compiled the block scoring in %.1f s", time.perf_counter() - t0)
         if cache.prefault_kv:
             t0 = time.perf_counter()
             pools = [device_kv] + ([] if self.sparse is None else

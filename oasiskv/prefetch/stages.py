@@ -32,6 +32,26 @@ def pinned_blocks(lengths: torch.Tensor, n: int, sink: int, recent: int) -> torc
     return real & ((idx < sink) | (idx >= lengths[:, None] - recent))
 
 
+def warm_up_scores(kmin: torch.Tensor) -> None:
+    """Compiles the block scoring (`weighted_scores`) for the shapes selections pass: one layer
+    (a request's first step, a per-layer job) or a run of layers (sync's step end), a batch's
+    summaries as one strided view or one request's alone; so that no request's step waits for
+    it. kmin: a summary pool [L, summary ids, Hkv, d] (its kind of tensor). Tensor kinds, grad
+    mode, aliasing and equal sizes are all guards of the compiled code, so the inputs are views
+    of normal tensors taken in inference mode, as in a step, with sizes unlike each other."""
+    L, _, hkv, d = kmin.shape
+    pools = [torch.zeros(L, 61, hkv, d, dtype=kmin.dtype, device=kmin.device)
+             for _ in range(2)]  # 61 ids a layer: not a multiple of the requests' stride
+    with torch.inference_mode():
+        for layers in sorted({1, L}):
+            batch = [x[:layers].as_strided((layers, 5, 7, hkv, d),
+                                           (x.stride(0), 11 * x.stride(1), *x.stride()[1:]))
+                     for x in pools]  # [layers, R, n, Hkv, d], requests 11 ids apart
+            for lo, hi in (batch, [x[:layers, :7] for x in pools]):
+                q = torch.zeros(*lo.shape[:-3], hkv, d, dtype=kmin.dtype, device=kmin.device)
+                weighted_scores(lo, hi, *summary_weights(q, hkv))
+
+
 class SelectJob:
     """The four stages of one step's selection in a run of layers, batched over the requests
     and the layers: picks hold each request's queries [len(layers), H, d]. Batching the layers

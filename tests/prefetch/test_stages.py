@@ -176,3 +176,19 @@ def test_rerank_over_every_block_selects_like_the_oracle(tiny_llama):
 def test_bad_rerank_is_a_clear_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CacheConfig(kv_mode="sparse", **kwargs)
+
+
+@pytest.mark.parametrize("prefetch", ["sync", "async"])
+def test_the_engine_compiles_the_scoring_before_its_first_step(tiny_llama, prefetch):
+    """Every shape a selection scores with (a first step's one layer, a step end's run of
+    layers, a batch as one view, a request alone) is compiled when the engine is built: no
+    request's step waits for torch.compile."""
+    from torch._dynamo.utils import counters
+
+    llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=2, max_num_seqs=3, prefetch=prefetch)
+    graphs = counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (70, 70, 70, 53)]
+    run(llm, prompts[:3])  # side by side: one strided view
+    run(llm, prompts[3:])  # alone
+    assert counters["stats"]["unique_graphs"] == graphs
