@@ -112,27 +112,29 @@ class SelectJob:
         [layers, R, Hkv, n], -inf past a request's blocks."""
         kv, R = self.kv, len(self.picks)
         kmin, kmax = kv.kmin[self.run], kv.kmax[self.run]  # [layers, summary ids, Hkv, d]
-        w_max, w_min = summary_weights(torch.stack([q for _, q in self.picks], 1),
-                                       kmin.shape[2], kv.cfg.score_alpha)  # [layers, R, Hkv, d]
+        hkv, alpha = kmin.shape[2], kv.cfg.score_alpha
         stride = self._summary_stride(n, kmin.shape[1])
         if stride:  # equal strides: the batch's summaries are one view, scored in one call
             first = self.picks[0][0].summary_start
             shape, inner = (len(self.layers), R, n, *kmin.shape[2:]), kmin.stride(1)
             lo, hi = (x.as_strided(shape, (x.stride(0), stride * inner, *x.stride()[1:]),
                                    x.storage_offset() + first * inner) for x in (kmin, kmax))
-            scores = weighted_scores(lo, hi, w_max, w_min)
+            weights = summary_weights(torch.stack([q for _, q in self.picks], 1), hkv, alpha)
+            scores = weighted_scores(lo, hi, *weights)  # weights [layers, R, Hkv, d]
             past = torch.arange(n)[None, :] >= self.lengths[:, None]  # another request's
             return scores.masked_fill_(past[:, None, :], float("-inf"))
-        scores = torch.full((len(self.layers), R, kmin.shape[2], n), float("-inf"))
-        for r, (d, _) in enumerate(self.picks):
+        scores = torch.full((len(self.layers), R, hkv, n), float("-inf"))
+        for r, (d, q) in enumerate(self.picks):
             if d.summary_start is not None:  # one run of summaries: a view, no gather
                 run = slice(d.summary_start, d.summary_start + len(d.summary_ids))
                 lo, hi = kmin[:, run], kmax[:, run]
             else:
                 lo = kmin.index_select(1, d.summary_ids)
                 hi = kmax.index_select(1, d.summary_ids)
-            scores[:, r, :, :len(d.summary_ids)] = weighted_scores(lo, hi, w_max[:, r],
-                                                                  w_min[:, r])
+            # the request's own weights [layers, Hkv, d], strided as warm_up_scores compiled
+            # for (a slice of the batch's would not be)
+            scores[:, r, :, :len(d.summary_ids)] = weighted_scores(
+                lo, hi, *summary_weights(q, hkv, alpha))
         return scores
 
     def _rerank(self, scores: torch.Tensor) -> torch.Tensor:

@@ -188,7 +188,9 @@ def test_the_engine_compiles_the_scoring_before_its_first_step(tiny_llama, prefe
     llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=2, max_num_seqs=3, prefetch=prefetch)
     graphs = counters["stats"]["unique_graphs"]
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (70, 70, 70, 53)]
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist()
+               for n in (70, 70, 70, 53, 90, 40, 75)]
     run(llm, prompts[:3])  # side by side: one strided view
-    run(llm, prompts[3:])  # alone
+    run(llm, prompts[3:4])  # alone
+    run(llm, prompts[4:])  # unequal: each request's summaries on their own
     assert counters["stats"]["unique_graphs"] == graphs
