@@ -20,7 +20,7 @@ class compiled:  # noqa: N801 (used as a decorator)
     """fn compiled for any shapes (dynamic) at its first call; eager if compiling fails."""
 
     def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
-        self.eager = fn  # the uncompiled function (tests compare the two)
+        self.eager = fn  # the uncompiled function: the fallback
         self._run: Callable[..., torch.Tensor] | None = None
         functools.update_wrapper(self, fn)
 

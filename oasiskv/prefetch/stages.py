@@ -32,6 +32,16 @@ def pinned_blocks(lengths: torch.Tensor, n: int, sink: int, recent: int) -> torc
     return real & ((idx < sink) | (idx >= lengths[:, None] - recent))
 
 
+def requests_view(pool: torch.Tensor, requests: int, n: int, stride: int,
+                  first: int) -> torch.Tensor:
+    """Summaries [layers, ids, Hkv, d] of requests whose runs of n ids lie `stride` ids apart
+    from id `first`, as one view [layers, requests, n, Hkv, d] (no copy)."""
+    inner = pool.stride(1)
+    return pool.as_strided((pool.shape[0], requests, n, *pool.shape[2:]),
+                           (pool.stride(0), stride * inner, *pool.stride()[1:]),
+                           pool.storage_offset() + first * inner)
+
+
 def warm_up_scores(kmin: torch.Tensor) -> None:
     """Compiles the block scoring (`weighted_scores`) for the shapes selections pass: one layer
     (a request's first step, a per-layer job) or a run of layers (sync's step end), a batch's
@@ -44,9 +54,7 @@ def warm_up_scores(kmin: torch.Tensor) -> None:
              for _ in range(2)]  # 61 ids a layer: not a multiple of the requests' stride
     with torch.inference_mode():
         for layers in sorted({1, L}):
-            batch = [x[:layers].as_strided((layers, 5, 7, hkv, d),
-                                           (x.stride(0), 11 * x.stride(1), *x.stride()[1:]))
-                     for x in pools]  # [layers, R, n, Hkv, d], requests 11 ids apart
+            batch = [requests_view(x[:layers], 5, 7, 11, 0) for x in pools]  # 5 x 7 ids, 11 apart
             for lo, hi in (batch, [x[:layers, :7] for x in pools]):
                 q = torch.zeros(*lo.shape[:-3], hkv, d, dtype=kmin.dtype, device=kmin.device)
                 weighted_scores(lo, hi, *summary_weights(q, hkv))
@@ -116,9 +124,7 @@ class SelectJob:
         stride = self._summary_stride(n, kmin.shape[1])
         if stride:  # equal strides: the batch's summaries are one view, scored in one call
             first = self.picks[0][0].summary_start
-            shape, inner = (len(self.layers), R, n, *kmin.shape[2:]), kmin.stride(1)
-            lo, hi = (x.as_strided(shape, (x.stride(0), stride * inner, *x.stride()[1:]),
-                                   x.storage_offset() + first * inner) for x in (kmin, kmax))
+            lo, hi = (requests_view(x, R, n, stride, first) for x in (kmin, kmax))
             weights = summary_weights(torch.stack([q for _, q in self.picks], 1), hkv, alpha)
             scores = weighted_scores(lo, hi, *weights)  # weights [layers, R, Hkv, d]
             past = torch.arange(n)[None, :] >= self.lengths[:, None]  # another request's
