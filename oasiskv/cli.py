@@ -309,6 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--steps", type=int, default=16, help="measured decode steps")
     pipe.add_argument("--warmup", type=int, default=3, help="decode steps before measuring")
     pipe.add_argument("--trace", help="Chrome trace of the async run at the first f_hbm")
+    pipe.add_argument("--repeats", type=int, default=1,
+                      help="rounds of the three modes per f_hbm (median shown, every round's "
+                      "ratio to frozen listed)")
+    pipe.add_argument("--kv-cache-dir", default=None,
+                      help="keep the prompts' computed K/V here and reuse it in later runs "
+                      "(default: a temporary directory)")
     pipe.add_argument("--dtype", default="float32")
     pipe.add_argument("--num-threads", type=int, default=None)
     pipe.add_argument("--json", help="write the figures to this file")

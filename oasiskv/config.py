@@ -160,6 +160,11 @@ class CacheConfig:
         "sync", "sparse: async runs each layer's next-step selection and fetch in the "
         "background (worker threads on CPU, CUDA streams on GPU); sync runs them inline "
         "(the default: on a 2-core CPU the workers compete with the model for the cores)")
+    prefetch_group: int = _field(
+        0, "sparse, async, no remote store: layers whose next-step selection runs as one "
+        "prefetch job, submitted after the last of them has attended; 0: half the model's "
+        "layers (two jobs per step, each running while the other half computes; fewer, larger "
+        "jobs cost the foreground less than one per layer)")
     remote_store: str = _field(
         "none", "sparse: the remote tier under the host tier. none: the host holds every "
         "block; inprocess: an in-process store; inprocess://NAME: one shared by the engines "
@@ -211,6 +216,9 @@ class CacheConfig:
                 raise ValueError(f"f_hbm must be in (0, 1] or auto, got {self.f_hbm}")
         if self.prefetch not in PREFETCH:
             raise ValueError(f"prefetch must be one of {PREFETCH}, got {self.prefetch!r}")
+        if self.prefetch_group < 0:
+            raise ValueError(f"prefetch_group must be >= 0 (0: half the layers), "
+                             f"got {self.prefetch_group}")
         for name in ("sink_blocks", "recent_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

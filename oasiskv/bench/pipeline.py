@@ -7,6 +7,8 @@ decode steps of the whole batch are measured. Per f_hbm:
 - frozen: no prefetch at all once seeded (working sets frozen): the compute floor;
 - sync: the same stages inline, on the critical path;
 - async: stages in background workers, waited for per layer.
+With --repeats R the three modes run in turn, R rounds per f_hbm; a row is the mode's
+median-step-time run, with the median of its per-round ratios to that round's frozen run.
 Printed per row: mean decode step time, its ratio to frozen, the stall fraction (foreground
 time waiting for prefetch / step time), bytes moved per step (host->device + device->host),
 blocks admitted / wanted per step, and the cap in force.
@@ -16,13 +18,18 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+from safetensors.torch import load
 
 from oasiskv.bench.common import (
     markdown_table,
     parse_f_hbms,
+    prefix_kv_files,
     pyplot,
     save_figure,
     unique_prompts,
@@ -70,8 +77,19 @@ def measure(engine: LLMEngine, prompts: list[list[int]], kvs: list[torch.Tensor]
             "fetch_cap": sparse.fetch_cap, "steps": steps}
 
 
+def median_round(runs: list[dict], floors: list[float]) -> dict:
+    """One mode's rounds: the median-step-time run, with every round's step time and its
+    ratio to the frozen run of the same round (the ratio is what holds on a noisy machine:
+    the modes of one round run minutes apart, rounds further)."""
+    ratios = [r["step_ms"] / floor for r, floor in zip(runs, floors, strict=True)]
+    median = sorted(runs, key=lambda r: r["step_ms"])[(len(runs) - 1) // 2]
+    return median | {"vs_frozen": statistics.median(ratios), "vs_frozen_runs": ratios,
+                     "step_ms_runs": [r["step_ms"] for r in runs],
+                     "rounds": ", ".join(f"{x:.2f}" for x in ratios)}
+
+
 COLUMNS = [("f_hbm", "f_hbm"), ("mode", "mode"), ("step_ms", "step ms"),
-           ("vs_frozen", "x frozen"), ("stall_frac", "stall"),
+           ("vs_frozen", "x frozen"), ("rounds", "x frozen, each round"), ("stall_frac", "stall"),
            ("bytes_per_step", "bytes/step"), ("admitted_per_step", "admitted/step"),
            ("wanted_per_step", "wanted/step"), ("hit_rate", "hit rate"), ("fetch_cap", "cap")]
 
@@ -96,6 +114,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     t_start = time.perf_counter()
     fractions = parse_f_hbms(args.f_hbm)
     base = {"model": args.model, "kv_mode": "sparse", "top_k": args.top_k,
@@ -105,37 +125,43 @@ def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
         base["num_threads"] = args.num_threads
     prefill_engine = LLMEngine(EngineConfig.from_kwargs(**base))
     prompts, source = unique_prompts(prefill_engine.tokenizer, args.batch, args.context)
-    t0 = time.perf_counter()
-    kvs = [prefill_engine.compute_prefix_kv(p[:-1]) for p in prompts]
-    prefill_s = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory(prefix="oasiskv-bench-") as tmp:
+        files, prefill_s = prefix_kv_files(prefill_engine, prompts,
+                                           Path(args.kv_cache_dir or tmp))
+        kvs = [load(f.read_bytes())["kv"] for f in files]
     prefill_engine.close()
     del prefill_engine
     rows = []
     for f in fractions:
-        floor = None
+        runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        for round_ in range(args.repeats):  # every mode once per round, in turn
+            for mode in MODES:
+                engine = LLMEngine(EngineConfig.from_kwargs(
+                    **base, f_hbm=f, prefetch="sync" if mode != "async" else "async"))
+                trace = args.trace if (args.trace and mode == "async" and f == fractions[0]
+                                       and round_ == 0) else None
+                runs[mode].append(measure(engine, prompts, kvs, args.warmup, args.steps,
+                                          mode == "frozen", trace))
+                engine.close()
+                print(f"f_hbm {f} {mode}: {runs[mode][-1]['step_ms']:.1f} ms/step", flush=True)
         for mode in MODES:
-            engine = LLMEngine(EngineConfig.from_kwargs(
-                **base, f_hbm=f, prefetch="sync" if mode != "async" else "async"))
-            trace = args.trace if (args.trace and mode == "async" and f == fractions[0]) else None
-            row = {"f_hbm": f, "mode": mode, **measure(engine, prompts, kvs, args.warmup,
-                                                       args.steps, mode == "frozen", trace)}
-            engine.close()
-            floor = floor or row["step_ms"]
-            row["vs_frozen"] = row["step_ms"] / floor
-            rows.append(row)
-            print(f"f_hbm {f} {mode}: {row['step_ms']:.1f} ms/step", flush=True)
+            rows.append({"f_hbm": f, "mode": mode,
+                         **median_round(runs[mode], [r["step_ms"] for r in runs["frozen"]])})
     elapsed = time.perf_counter() - t_start
     print(f"\n## prefetch pipeline, {args.model}: batch {args.batch} x {args.context} tokens "
           f"({source}), K={args.top_k}, predictor {args.predictor}, {args.steps} measured "
           f"decode steps after {args.warmup} warm-up; {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}\n")
     print(markdown_table(rows, COLUMNS))
-    print(f"\nx frozen = step time / the frozen row's (no prefetch once seeded); stall = share "
-          f"of the step the foreground waited for prefetch jobs; prompts prefilled once "
-          f"({prefill_s:.0f} s) and handed to every configuration. {elapsed:.0f} s.")
+    print(f"\nx frozen = step time / the frozen run's of the same round (no prefetch once "
+          f"seeded), median of {args.repeats} round(s); stall = share of the step the "
+          f"foreground waited for prefetch jobs; prompts prefilled once ({prefill_s:.0f} s "
+          f"computed, the rest from the K/V cache) and handed to every configuration. "
+          f"{elapsed:.0f} s.")
     write_json(args.json, {"bench": "pipeline", "model": args.model, "context": args.context,
                            "batch": args.batch, "top_k": args.top_k,
                            "predictor": args.predictor, "steps": args.steps,
+                           "repeats": args.repeats,
                            "threads": torch.get_num_threads(), "prefill_s": prefill_s,
                            "time_s": elapsed, "rows": rows})
     if args.plot:

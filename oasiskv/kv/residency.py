@@ -15,10 +15,12 @@ Prefetch (lookahead/previous): after layer l's attention of step t the next step
 and fetch for layer l go to the prefetch pipeline as stages (predict, select, remote, local);
 blocks that step t completed enter the working sets as a per-layer fill job after the step.
 Layer l's attention of step t+1 first waits for layer l's jobs (and for nothing else). With
-`prefetch="sync"` the same stages run inline, so both modes compute the same thing; on one
-node sync runs every layer's stages as one job at the step's end, batched over the layers (the
-selection of layer l only touches layer l's slots, so the result is the same, with one round of
-small tensor ops per step instead of one per layer).
+`prefetch="sync"` the same stages run inline, so both modes compute the same thing. On one
+node the selections of several layers run as one job, batched over the layers (the selection
+of layer l only touches layer l's slots, so the result is the same, with one round of small
+tensor ops instead of one per layer): async, a group of `prefetch_group` layers once the last
+of them has attended; sync, every layer at the step's end. With a remote store a job holds
+one layer, whose remote fetch it is.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class SparseKV:
     # stage name -> hook(layer, requests) run at the start of that stage (tests: delays, faults)
     stage_hooks: dict[str, Callable[[int, list[Sequence]], None]] = field(default_factory=dict)
     _decodes: list[StepDecode] = field(default_factory=list)
-    # sync prefetch on one node: (layer, decodes, queries [R, H, d]) selected at the step's end
+    # one node: (layer, decodes, queries [R, H, d]) whose selection waits to join a job
     _deferred: list[tuple[int, list[StepDecode], torch.Tensor]] = field(default_factory=list)
     _batches: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = field(default_factory=dict)
     _pending: SparseCounters = field(default_factory=SparseCounters)  # jobs' counts
@@ -480,11 +482,14 @@ class SparseKV:
             queries = torch.stack([q[r].mean(0) for r in rows])
         for d in decodes:
             d.seq.working_set.primed[layer] = True
-        if self.pipeline.executor.kind == "sync" and self.remote is None:
-            # inline anyway: every layer's selection runs as one job at the step's end
-            self._deferred.append((layer, decodes, queries))
+        if self.remote is not None:  # one layer per job: its remote fetch is that layer's
+            self._submit_selection([layer], decodes, queries[:, None])
             return
-        self._submit_selection([layer], decodes, queries[:, None])
+        self._deferred.append((layer, decodes, queries))
+        last = layer == self.device_kv.shape[0] - 1
+        if self.pipeline.executor.kind == "async" and (
+                len(self._deferred) == self.prefetch_group or last):
+            self._select_deferred()
 
     def _submit_selection(self, layers: list[int], decodes: list[StepDecode],
                           queries: torch.Tensor) -> None:
@@ -495,12 +500,18 @@ class SparseKV:
             ("predict", job.predict), ("select", job.select), ("remote", job.remote),
             ("local", job.local)], [d.seq for d in decodes])
 
+    @property
+    def prefetch_group(self) -> int:
+        """Layers per selection job on one node (async; sync: all of them, at the step's end)."""
+        return self.cfg.prefetch_group or max(1, self.device_kv.shape[0] // 2)
+
     def _select_deferred(self) -> None:
-        """Sync prefetch: the step's deferred selections of every layer, as one job."""
-        if not self._deferred:
-            return
-        layers = [layer for layer, _, _ in self._deferred]
-        decodes = self._deferred[0][1]
-        queries = torch.stack([qs for _, _, qs in self._deferred], 1)  # [R, layers, H, d]
-        self._deferred = []
-        self._submit_selection(layers, decodes, queries)
+        """The deferred selections (one node): each run of layers with the same requests as
+        one job."""
+        while self._deferred:
+            decodes = self._deferred[0][1]
+            n = next((i for i, (_, ds, _) in enumerate(self._deferred)
+                      if list(map(id, ds)) != list(map(id, decodes))), len(self._deferred))
+            run, self._deferred = self._deferred[:n], self._deferred[n:]
+            queries = torch.stack([qs for _, _, qs in run], 1)  # [R, layers, H, d]
+            self._submit_selection([layer for layer, _, _ in run], decodes, queries)

@@ -22,15 +22,15 @@ class PrefetchPipeline:
 
     def submit(self, layers: int | list[int], label: str,
                stages: list[tuple[str, Callable[[], None]]], owners: list) -> None:
-        """Chains `stages` after whatever the (first) layer still has pending; a job of several
-        layers (sync: run at once) is what each of them waits for."""
+        """Chains `stages` after whatever any of `layers` still has pending (a job of several
+        layers waits for each of their earlier jobs); it is what each of them waits for next."""
         layers = [layers] if isinstance(layers, int) else layers
-        after = self._last.get(layers[0])
+        after = list({id(h): h for h in map(self._last.get, layers) if h is not None}.values())
         name = f"L{layers[0]}" if len(layers) == 1 else f"L{layers[0]}-{layers[-1]}"
         for stage, fn in stages:
-            after = self.executor.submit(stage, fn, after, f"{name} {label}")
+            after = [self.executor.submit(stage, fn, after, f"{name} {label}")]
         for layer in layers:
-            self._last[layer] = after
+            self._last[layer] = after[0]
             self._owners.setdefault(layer, []).extend(owners)
 
     def wait(self, layer: int) -> None:

@@ -63,7 +63,7 @@ def warm_up_scores(kmin: torch.Tensor) -> None:
 class SelectJob:
     """The four stages of one step's selection in a run of layers, batched over the requests
     and the layers: picks hold each request's queries [len(layers), H, d]. Batching the layers
-    (sync prefetch) turns 30 rounds of small tensor ops into one; a remote store's fetch is
+    (one node) turns 30 rounds of small tensor ops into one or two; a remote store's fetch is
     per layer, so its jobs hold one layer."""
 
     def __init__(self, kv: SparseKV, layers: list[int],

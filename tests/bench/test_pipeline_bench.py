@@ -1,7 +1,8 @@
 """`oasiskv bench pipeline` on a tiny model: frozen admits nothing, sync and async do the same
-work, the table, JSON, plot and trace are written."""
+work, rounds give per-round ratios to frozen, the table, JSON, plot and trace are written."""
 
 import json
+import statistics
 
 from conftest import build_model_dir
 
@@ -14,7 +15,8 @@ def test_pipeline_bench_runs_every_mode(tmp_path, capsys):
     assert main(["bench", "pipeline", "--model", str(model), "--context", "200", "--batch", "2",
                  "--top-k", "2", "--predictor", "previous", "--f-hbm", "0.5,auto",
                  "--steps", "4", "--warmup", "2", "--json", str(out), "--plot", str(png),
-                 "--trace", str(trace)]) == 0
+                 "--trace", str(trace), "--repeats", "2",
+                 "--kv-cache-dir", str(tmp_path / "kv")]) == 0
     assert "x frozen" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert [(r["f_hbm"], r["mode"]) for r in rows] == [
@@ -25,6 +27,12 @@ def test_pipeline_bench_runs_every_mode(tmp_path, capsys):
     assert by[(0.5, "sync")]["admitted_per_step"] == by[(0.5, "async")]["admitted_per_step"]
     assert by[(0.5, "sync")]["bytes_per_step"] == by[(0.5, "async")]["bytes_per_step"]
     assert by[(0.5, "sync")]["admitted_per_step"] > 0
+    for (f, mode), row in by.items():
+        frozen = by[(f, "frozen")]["step_ms_runs"]
+        ratios = [a / b for a, b in zip(row["step_ms_runs"], frozen, strict=True)]
+        assert len(ratios) == 2 and row["vs_frozen"] == statistics.median(ratios)
+        assert row["step_ms"] in row["step_ms_runs"]
+    assert len(list((tmp_path / "kv").glob("*.safetensors"))) == 2  # one per prompt
     assert png.stat().st_size > 0
     names = {e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"]
              if e["name"] == "thread_name"}

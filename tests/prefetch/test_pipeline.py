@@ -43,11 +43,12 @@ def run_staggered(llm: LLM, ids: list[list[int]], params=GREEDY) -> dict:
     return outs
 
 
-@pytest.mark.parametrize("predictor, rerank", [("lookahead", 0), ("previous", 0), ("exact", 0),
-                                               ("lookahead", 2)])
-def test_async_and_sync_give_the_same_tokens_and_traffic(model, predictor, rerank):
+@pytest.mark.parametrize("predictor, rerank, group", [
+    ("lookahead", 0, 0), ("previous", 0, 0), ("exact", 0, 0), ("lookahead", 2, 0),
+    ("lookahead", 0, 1), ("previous", 0, 3)])  # async jobs of 2 (default), 1, or 3 + 1 layers
+def test_async_and_sync_give_the_same_tokens_and_traffic(model, predictor, rerank, group):
     kw = dict(kv_mode="sparse", top_k=3, f_hbm=0.34, predictor=predictor, rerank=rerank,
-              max_num_seqs=3, max_num_batched_tokens=64)
+              max_num_seqs=3, max_num_batched_tokens=64, prefetch_group=group)
     got = {}
     for mode in ("sync", "async"):
         llm = LLM(model, prefetch=mode, **kw)
@@ -70,8 +71,12 @@ def wait_spans(tracer) -> dict[int, float]:
     return out
 
 
-def test_a_slow_fetch_stalls_only_its_layer(model):
-    llm = LLM(model, kv_mode="sparse", top_k=2, predictor="previous", prefetch="async")
+@pytest.mark.parametrize("group", [1, 0])  # a job per layer; per half of the layers (default)
+def test_a_slow_fetch_stalls_only_its_layer(model, group):
+    """Layer 2 is slowed: with two-layer jobs it is the first of its job, so the foreground
+    waits there and then finds layer 3 ready; it never waits at layers 0 and 1."""
+    llm = LLM(model, kv_mode="sparse", top_k=2, predictor="previous", prefetch="async",
+              prefetch_group=group)
     sparse = llm.engine.sparse
     slow_layer, delay = 2, 0.15
 
