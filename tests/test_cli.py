@@ -47,6 +47,7 @@ TYPED = [
     ("f_hbm", "0.1", 0.1),
     ("f_hbm", "auto", "auto"),
     ("prefetch", "async", "async"),
+    ("prefetch_group", "3", 3),
     ("host_kv_budget", "2GiB", "2GiB"),
     ("predictor", "exact", "exact"),
     ("drafter", "ngram", "ngram"),

@@ -57,6 +57,7 @@ FIELD_VALUES = {
     "f_host": (1.0, lambda e, _: e.config.cache.f_host == 1.0),
     "remote_lend": ("64MiB", lambda e, _: e.config.cache.remote_lend == "64MiB"),
     "prefetch": ("async", lambda e, _: e.config.cache.prefetch == "async"),
+    "prefetch_group": (3, lambda e, _: e.config.cache.prefetch_group == 3),
     "prefault_kv": (True, lambda e, _: e.config.cache.prefault_kv
                     and not e.runner.device_kv.any()),
 }
@@ -92,6 +93,7 @@ def test_every_config_field_is_an_llm_keyword(tiny_llama, name):
     ({"max_num_seqs": 0}, "max_num_seqs"), ({"max_num_batched_tokens": -1},
                                             "max_num_batched_tokens"),
     ({"max_model_len": 0}, "max_model_len"), ({"summary_dtype": "int8"}, "summary_dtype"),
+    ({"prefetch_group": -1}, "prefetch_group must be >= 0"),
     ({"max_num_seq": 4}, r"unknown config option.*max_num_seq"),
     ({"kv_mode": "sparse", "num_drafts": 17}, r"num_drafts is 17.*block_size 16"),
 ])

@@ -27,7 +27,7 @@ def test_pipeline_bench_runs_every_mode(tmp_path, capsys):
     assert by[(0.5, "sync")]["admitted_per_step"] == by[(0.5, "async")]["admitted_per_step"]
     assert by[(0.5, "sync")]["bytes_per_step"] == by[(0.5, "async")]["bytes_per_step"]
     assert by[(0.5, "sync")]["admitted_per_step"] > 0
-    for (f, mode), row in by.items():
+    for (f, _), row in by.items():
         frozen = by[(f, "frozen")]["step_ms_runs"]
         ratios = [a / b for a, b in zip(row["step_ms_runs"], frozen, strict=True)]
         assert len(ratios) == 2 and row["vs_frozen"] == statistics.median(ratios)
