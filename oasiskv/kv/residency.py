@@ -13,14 +13,14 @@ block stay.
 
 Prefetch (lookahead/previous): after layer l's attention of step t the next step's selection
 and fetch for layer l go to the prefetch pipeline as stages (predict, select, remote, local);
-blocks that step t completed enter the working sets as a per-layer fill job after the step.
+blocks that step t completed enter the working sets as fill jobs after the step.
 Layer l's attention of step t+1 first waits for layer l's jobs (and for nothing else). With
 `prefetch="sync"` the same stages run inline, so both modes compute the same thing. On one
-node the selections of several layers run as one job, batched over the layers (the selection
-of layer l only touches layer l's slots, so the result is the same, with one round of small
-tensor ops instead of one per layer): async, a group of `prefetch_group` layers once the last
-of them has attended; sync, every layer at the step's end. With a remote store a job holds
-one layer, whose remote fetch it is.
+node a selection or fill job holds several layers, batched (layer l's work only touches layer
+l's slots, so the result is the same, with one round of small tensor ops instead of one per
+layer): async, runs of `prefetch_group` layers, a selection once the last of its layers has
+attended; sync, every layer, the selections at the step's end. With a remote store a job
+holds one layer, whose remote fetch it is.
 """
 
 from __future__ import annotations
@@ -347,24 +347,25 @@ class SparseKV:
         # jobs keep what they need: the request may end (and free its tables) while they run
         ws, step = d.seq.working_set, self.step
         host, summary = self.host_block(d.seq, block), d.seq.summary_ids[block]
-        for layer in range(self.device_kv.shape[0]):
-            self.pipeline.submit(layer, f"fill step {step}", [
-                ("fill", lambda layer=layer: self._fill(d, ws, block, host, summary, layer,
-                                                        step))], [d.seq])
+        for run in self.layer_groups():
+            self.pipeline.submit(list(range(run.start, run.stop)), f"fill step {step}", [
+                ("fill", lambda run=run: self._fill(d, ws, block, host, summary, run, step))],
+                [d.seq])
 
     def _fill(self, d: StepDecode, ws: WorkingSet, block: int, host: int, summary: int,
-              layer: int, step: int) -> None:
+              run: slice, step: int) -> None:
         K, B = self.cfg.top_k, self.cfg.block_size
         active = int(d.slab_tokens[K])
-        kv = self.device_kv[layer]  # [2, Hkv, slots, d]
-        chunk = kv[:, :, active:active + B]  # [2, Hkv, B, d]
-        self.host_kv[layer, :, :, host * B:(host + 1) * B] = chunk
+        kv = self.device_kv[run]  # [n, 2, Hkv, slots, d]
+        chunk = kv[:, :, :, active:active + B]  # [n, 2, Hkv, B, d]
+        self.host_kv[run, :, :, host * B:(host + 1) * B] = chunk
         self._count(d2h_bytes=chunk.numel() * chunk.element_size())
-        self._summarize(torch.tensor([summary]), chunk[0][None, :, None], layers=[layer])
-        slots, heads = insert_block(ws.head_map[layer], ws.last_used[layer], block, step)
+        self._summarize(torch.tensor([summary]), chunk[:, 0, :, None], layers=run)
+        layers, slots, heads = insert_block(ws.head_map[run], ws.last_used[run], block, step)
         arange_b = torch.arange(B)
-        dst = d.slab_tokens[slots][:, None] + arange_b  # [Hkv, B]
-        kv[:, heads[:, None], dst] = kv[:, heads[:, None], active + arange_b]
+        dst = d.slab_tokens[slots][:, None] + arange_b  # [m, B] (m: (layer, head)s)
+        layers, heads = layers[:, None], heads[:, None]
+        kv[layers, :, heads, dst] = kv[layers, :, heads, active + arange_b]
 
     # ---- prefill ----------------------------------------------------------------------------
 
@@ -394,15 +395,11 @@ class SparseKV:
         self._summarize(ids, keys.unflatten(2, (len(ids), B)))
 
     def _summarize(self, ids: torch.Tensor, keys: torch.Tensor,
-                   layers: list[int] | None = None) -> None:
-        # keys [len(layers) or L, Hkv, n, B, d] -> summaries of ids [n]; every layer's in one
-        # reduction (a prompt's: 1.35x faster than layer by layer)
+                   layers: slice = slice(None)) -> None:
+        # keys [layers, Hkv, n, B, d] -> summaries of ids [n]; every layer's in one reduction
+        # (a prompt's: 1.35x faster than layer by layer)
         kmin, kmax = round_outward(*summarize(keys), self.kmin.dtype)  # [layers, n, Hkv, d]
-        if layers is None:
-            self.kmin[:, ids], self.kmax[:, ids] = kmin, kmax
-            return
-        for i, layer in enumerate(layers):
-            self.kmin[layer, ids], self.kmax[layer, ids] = kmin[i], kmax[i]
+        self.kmin[layers, ids], self.kmax[layers, ids] = kmin, kmax
 
     # ---- per layer: selection and the attention masks ------------------------------------
 
@@ -502,8 +499,18 @@ class SparseKV:
 
     @property
     def prefetch_group(self) -> int:
-        """Layers per selection job on one node (async; sync: all of them, at the step's end)."""
-        return self.cfg.prefetch_group or max(1, self.device_kv.shape[0] // 2)
+        """Layers per selection or fill job on one node (async; sync: all of them)."""
+        L = self.device_kv.shape[0]
+        if self.pipeline.executor.kind == "sync":
+            return L
+        return self.cfg.prefetch_group or max(1, L // 2)
+
+    def layer_groups(self) -> list[slice]:
+        """The layers of each fill job: per layer with a remote store, else by prefetch_group
+        (the same runs as the selections', so that a layer waits at its run's first layer)."""
+        L = self.device_kv.shape[0]
+        n = 1 if self.remote is not None else self.prefetch_group
+        return [slice(i, min(i + n, L)) for i in range(0, L, n)]
 
     def _select_deferred(self) -> None:
         """The deferred selections (one node): each run of layers with the same requests as

@@ -174,15 +174,16 @@ def select_capped_lru_batch(head_map: torch.Tensor, last_used: torch.Tensor,
 
 
 def insert_block(head_map: torch.Tensor, last_used: torch.Tensor, block: int,
-                 step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block that just filled enters every head's working set, replacing an empty slot or the
-    head's least recently selected block. Returns (slots, heads) that received it; a head
-    that already holds the block (a retried step) keeps it where it is."""
-    age = torch.where(head_map < 0, torch.full_like(last_used, -1), last_used)  # [K, Hkv]
-    slots = torch.argmin(age, dim=0)  # first minimum: deterministic
-    heads = torch.arange(head_map.shape[1])
-    new = ~(head_map == block).any(dim=0)
-    slots, heads = slots[new], heads[new]
-    head_map[slots, heads] = block
-    last_used[slots, heads] = stamp(step)
-    return slots, heads
+                 step: int) -> tuple[torch.Tensor, ...]:
+    """A block that just filled enters every head's working set ([..., K, Hkv], e.g. one per
+    layer), replacing an empty slot or the head's least recently selected block. Returns the
+    index of each (..., slot, head) that received it; a head that already holds the block
+    (a retried step) keeps it where it is."""
+    age = torch.where(head_map < 0, torch.full_like(last_used, -1), last_used)  # [..., K, Hkv]
+    slots = torch.argmin(age, dim=-2)  # [..., Hkv] first minimum: deterministic
+    new = ~(head_map == block).any(dim=-2)  # [..., Hkv]
+    *lead, heads = new.nonzero(as_tuple=True)
+    index = (*lead, slots[new], heads)
+    head_map[index] = block
+    last_used[index] = stamp(step)
+    return index

@@ -169,6 +169,22 @@ def test_batched_selection_equals_per_head_reference(data):
     assert sorted(got) == sorted((r, *a) for r, adm in enumerate(want) for a in adm)
 
 
+def test_insert_block_over_layers_equals_layer_by_layer():
+    gen = torch.Generator().manual_seed(0)
+    head_map = torch.randint(-1, 6, (3, 4, 2), generator=gen)  # [L, K, Hkv]
+    head_map[0, 1, 0] = 7  # this head already holds the block: it stays where it is
+    last_used = torch.randint(0, 9, (3, 4, 2), generator=gen)
+    maps, used = head_map.clone(), last_used.clone()
+    layers, slots, heads = insert_block(head_map, last_used, 7, step=10)
+    expected = []
+    for layer in range(3):
+        s, h = insert_block(maps[layer], used[layer], 7, step=10)
+        expected += [(layer, int(a), int(b)) for a, b in zip(s, h, strict=True)]
+    assert list(zip(layers.tolist(), slots.tolist(), heads.tolist(), strict=True)) == expected
+    assert torch.equal(head_map, maps) and torch.equal(last_used, used)
+    assert len(expected) == 5 and (head_map == 7).sum(1).eq(1).all()
+
+
 def test_a_filled_block_displaces_the_lowest_ranked_pick_of_the_step():
     head_map = torch.full((4, 2), -1, dtype=torch.long)
     last_used = torch.zeros((4, 2), dtype=torch.long)
