@@ -161,10 +161,10 @@ class CacheConfig:
         "background (worker threads on CPU, CUDA streams on GPU); sync runs them inline "
         "(the default: on a 2-core CPU the workers compete with the model for the cores)")
     prefetch_group: int = _field(
-        0, "sparse, async, no remote store: layers whose next-step selection runs as one "
-        "prefetch job, submitted after the last of them has attended; 0: half the model's "
-        "layers (two jobs per step, each running while the other half computes; fewer, larger "
-        "jobs cost the foreground less than one per layer)")
+        0, "sparse, async, no remote store: layers per prefetch job (the next step's "
+        "selection, submitted once the last of them has attended, and a completed block's "
+        "fill); 0: half the model's layers (two jobs per step, each running while the other "
+        "half computes: fewer, larger jobs cost the foreground less than one per layer)")
     remote_store: str = _field(
         "none", "sparse: the remote tier under the host tier. none: the host holds every "
         "block; inprocess: an in-process store; inprocess://NAME: one shared by the engines "
