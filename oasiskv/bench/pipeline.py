@@ -100,13 +100,16 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     labels = list(dict.fromkeys(str(r["f_hbm"]) for r in rows))
     for i, mode in enumerate(MODES):
-        ys = [next((r["step_ms"] for r in rows if r["mode"] == mode
-                    and str(r["f_hbm"]) == f), None) for f in labels]
+        picked = [next(r for r in rows if r["mode"] == mode and str(r["f_hbm"]) == f)
+                  for f in labels]
+        ys = [r["step_ms"] for r in picked]
+        spread = [[y - min(r["step_ms_runs"]) for y, r in zip(ys, picked, strict=True)],
+                  [max(r["step_ms_runs"]) - y for y, r in zip(ys, picked, strict=True)]]
         xs = [j + (i - 1) * 0.27 for j in range(len(labels))]
-        ax.bar(xs, [y or 0 for y in ys], width=0.27, label=mode)
+        ax.bar(xs, ys, width=0.27, label=mode, yerr=spread, capsize=3)
     ax.set_xticks(range(len(labels)), labels)
     ax.set_xlabel("f_hbm (admission cap = ceil(f_hbm * K) per head, layer, step)")
-    ax.set_ylabel("decode step time (ms)")
+    ax.set_ylabel("decode step time (ms), median of rounds (bars: min-max)")
     ax.set_title(title)
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
