@@ -483,9 +483,8 @@ class SparseKV:
             self._submit_selection([layer], decodes, queries[:, None])
             return
         self._deferred.append((layer, decodes, queries))
-        last = layer == self.device_kv.shape[0] - 1
-        if self.pipeline.executor.kind == "async" and (
-                len(self._deferred) == self.prefetch_group or last):
+        if self.pipeline.executor.kind == "async" and any(
+                layer == run.stop - 1 for run in self.layer_groups()):  # its run's last layer
             self._select_deferred()
 
     def _submit_selection(self, layers: list[int], decodes: list[StepDecode],
@@ -506,8 +505,8 @@ class SparseKV:
         return self.cfg.prefetch_group or max(1, L // 2)
 
     def layer_groups(self) -> list[slice]:
-        """The layers of each fill job: per layer with a remote store, else by prefetch_group
-        (the same runs as the selections', so that a layer waits at its run's first layer)."""
+        """The layers of each job: runs of prefetch_group layers (one layer with a remote
+        store), for selections and fills alike, so that a layer waits at its run's first."""
         L = self.device_kv.shape[0]
         n = 1 if self.remote is not None else self.prefetch_group
         return [slice(i, min(i + n, L)) for i in range(0, L, n)]

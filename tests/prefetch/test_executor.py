@@ -20,18 +20,22 @@ def test_a_stage_waits_for_every_handle_it_depends_on():
 
 
 def test_workers_use_one_thread_and_leave_the_others_theirs():
-    torch.set_num_threads(2)
-    ex = ThreadExecutor()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # on any machine: a count the workers' 1 differs from
     seen = {}
 
     def count(name):
         torch.ones(4).sum()  # a first op: torch's per-thread setup has run
         seen[name] = torch.get_num_threads()
 
-    ex.submit("select", lambda: count("worker")).wait()
-    later = threading.Thread(target=count, args=("later thread",))
-    later.start()
-    later.join()
-    ex.close()
-    count("caller")
+    try:
+        ex = ThreadExecutor()
+        ex.submit("select", lambda: count("worker")).wait()
+        later = threading.Thread(target=count, args=("later thread",))
+        later.start()
+        later.join()
+        ex.close()
+        count("caller")
+    finally:
+        torch.set_num_threads(before)  # process-wide: the other tests keep theirs
     assert seen == {"worker": 1, "later thread": 2, "caller": 2}
