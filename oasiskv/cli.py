@@ -215,6 +215,7 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
                      epochs=args.epochs, batch=args.batch, lr=args.lr,
                      draft_vocab=args.draft_vocab, self_tokens=args.self_tokens,
                      self_prompt=args.self_prompt, train_dtype=args.train_dtype,
+                     soft_weight=args.soft_weight, feature_weight=args.feature_weight,
                      seed=args.seed)
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     # room for GENERATE_BATCH whole chunks: the own continuations are generated together
@@ -486,6 +487,12 @@ def build_parser() -> argparse.ArgumentParser:
                     choices=["auto", "float32", "bfloat16"],
                     help="autocast dtype of training (auto: bfloat16 where the CPU has native "
                     "bf16 matmuls, 1.7x faster here)")
+    tr.add_argument("--soft-weight", type=float, default=TrainSpec.soft_weight,
+                    help="weight of the KL divergence to the target's whole next-token "
+                    "distribution (from its last-layer features), beside the greedy token")
+    tr.add_argument("--feature-weight", type=float, default=TrainSpec.feature_weight,
+                    help="weight of the smooth L1 loss to the target's final hidden state "
+                    "(EAGLE-1's feature regression)")
     tr.add_argument("--aux-layers", default=None,
                     help="target layers fused as features (default: 2, L/2, L-1)")
     tr.add_argument("--seed", type=int, default=TrainSpec.seed)

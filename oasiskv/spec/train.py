@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.spec.eagle import EagleConfig, EagleHead
 
 SAMPLE_TEMPERATURE = 0.7
@@ -58,6 +59,8 @@ class TrainSpec:
     self_tokens: int = 0  # training tokens of the target's own continuations
     self_prompt: int = 256  # tokens of a chunk the target continues
     train_dtype: str = "auto"  # autocast dtype of the head's matmuls; auto: bfloat16 if native
+    soft_weight: float = 0.0  # KL to the target's whole distribution, beside the greedy token
+    feature_weight: float = 0.0  # smooth L1 to the target's final hidden state (EAGLE-1)
     seed: int = 0
     quiet: bool = False
 
@@ -74,6 +77,9 @@ class TrainSpec:
         if not 1 <= self.self_prompt < self.chunk:
             raise ValueError(f"self_prompt must be in [1, chunk={self.chunk}), got "
                              f"{self.self_prompt}")
+        for name in ("soft_weight", "feature_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.train_dtype not in ("auto", "float32", "bfloat16"):
@@ -255,11 +261,45 @@ def labels_in_draft_vocab(greedy: torch.Tensor, t2d: torch.Tensor) -> torch.Tens
     return t2d[greedy]  # -100 where the target token is outside the draft vocabulary
 
 
+def target_hidden(target: LlamaForCausalLM, features: torch.Tensor) -> torch.Tensor:
+    """[..., F] features whose last part is the target's last layer -> the target's final
+    hidden state [..., D] at the same position: what its LM head reads."""
+    return target.model.norm(features[..., -target.config.hidden_size:].float())
+
+
+def head_loss(head: EagleHead, logits: torch.Tensor, hidden: torch.Tensor, greedy: torch.Tensor,
+              t2d: torch.Tensor, spec: TrainSpec, goal: torch.Tensor | None) -> torch.Tensor:
+    """Cross-entropy to the target's greedy token, plus, with `goal` (the target's final hidden
+    states of the same rows, [b, S, D]), spec.soft_weight x KL(target || head) over the draft
+    vocabulary and spec.feature_weight x smooth L1 between the hidden states: the whole
+    distribution and the state it comes from say more per row than its argmax alone."""
+    loss = F.cross_entropy(logits.float().flatten(0, 1), labels_in_draft_vocab(greedy, t2d)
+                           .flatten())
+    if goal is None:
+        return loss
+    if spec.soft_weight:
+        want = torch.log_softmax(head.logits(goal), dim=-1).flatten(0, 1)  # [b*S, Vd]
+        have = torch.log_softmax(logits.float(), dim=-1).flatten(0, 1)
+        loss = loss + spec.soft_weight * F.kl_div(have, want, log_target=True,
+                                                  reduction="batchmean")
+    if spec.feature_weight:
+        loss = loss + spec.feature_weight * F.smooth_l1_loss(hidden.float(), goal)
+    return loss
+
+
 def train_head(head: EagleHead, data: dict[str, torch.Tensor], spec: TrainSpec,
-               heldout: dict[str, torch.Tensor] | None = None) -> tuple[list[float], list[dict]]:
+               heldout: dict[str, torch.Tensor] | None = None,
+               target: LlamaForCausalLM | None = None) -> tuple[list[float], list[dict]]:
     """AdamW, linear warm-up then cosine decay; returns the loss of every step and, with
     `heldout`, its `evaluate` figures after every epoch (the learning curve: it shows when
-    more epochs stop helping; the last entry is the trained head's)."""
+    more epochs stop helping; the last entry is the trained head's). The soft and feature
+    losses need `target`, whose last layer must be the last of the head's aux layers."""
+    distill = bool(spec.soft_weight or spec.feature_weight)
+    if distill and (target is None or head.config.aux_layers[-1] != target.config.num_layers
+                    - 1):
+        raise ValueError(f"soft_weight / feature_weight need the target's last layer "
+                         f"({'?' if target is None else target.config.num_layers - 1}) as the "
+                         f"last aux layer; the head reads {head.config.aux_layers}")
     t2d = torch.full((head.config.vocab_size,), -100, dtype=torch.long)
     t2d[head.d2t] = torch.arange(len(head.d2t))
     params = [p for p in head.parameters() if p.requires_grad]
@@ -279,11 +319,14 @@ def train_head(head: EagleHead, data: dict[str, torch.Tensor], spec: TrainSpec,
         head.train()
         order = torch.randperm(n, generator=gen)
         for i in range(0, n, spec.batch):
-            tokens, features, greedy = head_inputs(data, order[i:i + spec.batch])
+            index = order[i:i + spec.batch]
+            tokens, features, greedy = head_inputs(data, index)
             with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-                logits = head.logits(head(tokens, features, positions)[0])
-            loss = F.cross_entropy(logits.float().flatten(0, 1),
-                                   labels_in_draft_vocab(greedy, t2d).flatten())
+                hidden = head(tokens, features, positions)[0]
+                logits = head.logits(hidden)
+            with torch.no_grad():  # row p learns the target's state at p: features[p]
+                goal = target_hidden(target, data["features"][index, 1:]) if distill else None
+            loss = head_loss(head, logits, hidden, greedy, t2d, spec, goal)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -374,7 +417,7 @@ def run(engine, spec: TrainSpec, aux_layers: list[int] | None = None,
     cfg = EagleConfig.for_target(spec.model, mc, len(d2t), list(layers), spec.chunk)
     target = engine.model
     head = EagleHead(cfg, target.model.embed_tokens.weight, target.lm_head.weight, d2t)
-    losses, curve = train_head(head, data, spec, load_shards(heldout_paths))
+    losses, curve = train_head(head, data, spec, load_shards(heldout_paths), target)
     t_train = time.perf_counter() - t0 - t_features
     own = load_shards(heldout_own_paths)
     result = {"heldout": curve[-1],

@@ -16,10 +16,12 @@ from oasiskv.spec.eagle import EagleConfig, EagleHead, load_head
 from oasiskv.spec.train import (
     TrainSpec,
     draft_vocabulary,
+    head_loss,
     in_loop,
     load_shards,
     own_continuations,
     target_features,
+    target_hidden,
     train_head,
 )
 
@@ -44,17 +46,73 @@ def test_training_reduces_loss_and_beats_unigram(trained):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_training_learns_in_either_autocast_dtype(trained, tiny_llama, dtype):
     out, _ = trained
-    data = load_shards(sorted((out / "features").glob("train_0*.safetensors")))
-    target = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama))).model
-    d2t = draft_vocabulary(data["greedy"], 256)
-    cfg = EagleConfig.for_target("tiny", target.config, len(d2t), [0, 1], MARKOV_CHUNK)
-    torch.manual_seed(0)
-    head = EagleHead(cfg, target.model.embed_tokens.weight, target.lm_head.weight, d2t)
+    data, _, head = tiny_head(out, tiny_llama)
     spec = TrainSpec(model="tiny", out=out, chunk=MARKOV_CHUNK, self_prompt=1, epochs=6,
                      lr=3e-3, train_dtype=dtype, quiet=True)
     assert spec.autocast_dtype == getattr(torch, dtype)
     losses, curve = train_head(head, data, spec)
     assert curve == [] and sum(losses[-5:]) < 0.8 * sum(losses[:5])
+
+
+def tiny_head(out, tiny_llama, aux_layers=(0, 1)):
+    """(training data, target, an untrained head) on the trained fixture's features."""
+    data = load_shards(sorted((out / "features").glob("train_0*.safetensors")))
+    target = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama))).model
+    d2t = draft_vocabulary(data["greedy"], 256)
+    cfg = EagleConfig.for_target("tiny", target.config, len(d2t), list(aux_layers),
+                                 MARKOV_CHUNK)
+    torch.manual_seed(0)
+    return data, target, EagleHead(cfg, target.model.embed_tokens.weight,
+                                   target.lm_head.weight, d2t)
+
+
+def test_target_hidden_is_what_the_targets_lm_head_reads(trained, tiny_llama):
+    out, _ = trained
+    data, target, _ = tiny_head(out, tiny_llama)
+    # the engine's greedy tokens, recorded apart from the features, come back from them
+    logits = target.lm_head(target_hidden(target, data["features"][:4].float()))
+    agree = (logits.argmax(-1) == data["greedy"][:4]).float().mean().item()
+    assert agree > 0.99  # fp16 features may flip a near tie
+
+
+def test_soft_and_feature_losses_vanish_when_the_head_is_the_target(trained, tiny_llama):
+    out, _ = trained
+    data, target, head = tiny_head(out, tiny_llama)
+    t2d = torch.full((head.config.vocab_size,), -100, dtype=torch.long)
+    t2d[head.d2t] = torch.arange(len(head.d2t))
+    goal = target_hidden(target, data["features"][:2, 1:])  # [2, S-1, D]
+    greedy = data["greedy"][:2, 1:].long()
+    logits = head.logits(goal)
+    spec = TrainSpec(model="tiny", out=out, soft_weight=1.0, feature_weight=2.0)
+    cross_entropy = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), t2d[greedy].flatten())
+    torch.testing.assert_close(head_loss(head, logits, goal, greedy, t2d, spec, goal),
+                               cross_entropy)
+    # a head off by a known amount: smooth L1 of a constant 0.5 shift is 0.5^2 / 2 = 0.125
+    plain = head_loss(head, logits, goal, greedy, t2d, spec, None)
+    shifted = head_loss(head, logits, goal + 0.5, greedy, t2d, spec, goal)
+    torch.testing.assert_close(shifted - plain, torch.tensor(2.0 * 0.125))
+
+
+def test_distilled_training_learns_and_beats_unigram(trained, tiny_llama):
+    out, result = trained
+    data, target, head = tiny_head(out, tiny_llama)
+    heldout = load_shards([out / "features" / "heldout_00000.safetensors"])
+    spec = TrainSpec(model="tiny", out=out, chunk=MARKOV_CHUNK, self_prompt=1, epochs=6,
+                     lr=3e-3, soft_weight=1.0, feature_weight=1.0, quiet=True)
+    losses, curve = train_head(head, data, spec, heldout, target)
+    assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
+    assert curve[-1]["greedy_accuracy"] > curve[-1]["unigram_accuracy"] + 0.25, curve[-1]
+
+
+def test_distillation_needs_the_targets_last_layer(trained, tiny_llama):
+    out, _ = trained
+    data, target, head = tiny_head(out, tiny_llama, aux_layers=(0,))
+    spec = TrainSpec(model="tiny", out=out, soft_weight=1.0, quiet=True)
+    with pytest.raises(ValueError, match=r"target's last layer \(1\) as the last aux layer"):
+        train_head(head, data, spec, target=target)
+    with pytest.raises(ValueError, match="feature_weight must be >= 0"):
+        TrainSpec(model="m", out=out, feature_weight=-1)
 
 
 def test_bad_train_dtype_is_a_clear_error(tmp_path):
