@@ -194,3 +194,21 @@ def test_generate_sparse_prints_per_step_figures(tiny_llama, tmp_path, capsys):
     assert "prefetch stall" in line
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert any(e["ph"] == "X" and e["name"].startswith("L0 step") for e in events)
+
+
+def test_train_drafter_flags_reach_the_spec(monkeypatch, tiny_llama, tmp_path):
+    import oasiskv.spec.train as train
+
+    seen = {}
+
+    def fake_run(engine, spec, aux):
+        seen.update(spec=spec, aux=aux)
+        raise KeyboardInterrupt  # stop before training
+
+    monkeypatch.setattr(train, "run", fake_run)
+    with pytest.raises(KeyboardInterrupt):
+        main(["train-drafter", "--model", str(tiny_llama), "--out", str(tmp_path), "--epochs",
+              "3", "--soft-weight", "0.5", "--feature-weight", "2", "--aux-layers", "0,1"])
+    spec = seen["spec"]
+    assert (spec.epochs, spec.soft_weight, spec.feature_weight) == (3, 0.5, 2.0)
+    assert seen["aux"] == [0, 1]
