@@ -257,6 +257,13 @@ def head_inputs(data: dict[str, torch.Tensor], index: torch.Tensor):
     return tokens, features, data["greedy"][index, 1:].long()
 
 
+def target_to_draft(head: EagleHead) -> torch.Tensor:
+    """[V] target token id -> the head's draft index, -100 (ignored) outside its vocabulary."""
+    t2d = torch.full((head.config.vocab_size,), -100, dtype=torch.long)
+    t2d[head.d2t] = torch.arange(len(head.d2t))
+    return t2d
+
+
 def labels_in_draft_vocab(greedy: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     return t2d[greedy]  # -100 where the target token is outside the draft vocabulary
 
@@ -300,8 +307,7 @@ def train_head(head: EagleHead, data: dict[str, torch.Tensor], spec: TrainSpec,
         raise ValueError(f"soft_weight / feature_weight need the target's last layer "
                          f"({'?' if target is None else target.config.num_layers - 1}) as the "
                          f"last aux layer; the head reads {head.config.aux_layers}")
-    t2d = torch.full((head.config.vocab_size,), -100, dtype=torch.long)
-    t2d[head.d2t] = torch.arange(len(head.d2t))
+    t2d = target_to_draft(head)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=0.0)
     n = len(data["tokens"])

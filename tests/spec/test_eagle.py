@@ -22,6 +22,7 @@ from oasiskv.spec.train import (
     own_continuations,
     target_features,
     target_hidden,
+    target_to_draft,
     train_head,
 )
 
@@ -70,7 +71,7 @@ def test_target_hidden_is_what_the_targets_lm_head_reads(trained, tiny_llama):
     out, _ = trained
     data, target, _ = tiny_head(out, tiny_llama)
     # the engine's greedy tokens, recorded apart from the features, come back from them
-    logits = target.lm_head(target_hidden(target, data["features"][:4].float()))
+    logits = target.lm_head(target_hidden(target, data["features"][:4]))
     agree = (logits.argmax(-1) == data["greedy"][:4]).float().mean().item()
     assert agree > 0.99  # fp16 features may flip a near tie
 
@@ -78,8 +79,7 @@ def test_target_hidden_is_what_the_targets_lm_head_reads(trained, tiny_llama):
 def test_soft_and_feature_losses_vanish_when_the_head_is_the_target(trained, tiny_llama):
     out, _ = trained
     data, target, head = tiny_head(out, tiny_llama)
-    t2d = torch.full((head.config.vocab_size,), -100, dtype=torch.long)
-    t2d[head.d2t] = torch.arange(len(head.d2t))
+    t2d = target_to_draft(head)
     goal = target_hidden(target, data["features"][:2, 1:])  # [2, S-1, D]
     greedy = data["greedy"][:2, 1:].long()
     logits = head.logits(goal)
@@ -95,7 +95,7 @@ def test_soft_and_feature_losses_vanish_when_the_head_is_the_target(trained, tin
 
 
 def test_distilled_training_learns_and_beats_unigram(trained, tiny_llama):
-    out, result = trained
+    out, _ = trained
     data, target, head = tiny_head(out, tiny_llama)
     heldout = load_shards([out / "features" / "heldout_00000.safetensors"])
     spec = TrainSpec(model="tiny", out=out, chunk=MARKOV_CHUNK, self_prompt=1, epochs=6,
