@@ -17,6 +17,7 @@ from oasiskv.disagg.mooncake import (
     private_network,
     start_master,
 )
+from oasiskv.spec.drafters import Drafter
 
 CORPUS = [
     "It is a truth universally acknowledged, that a single man in possession of a good fortune,"
@@ -97,6 +98,25 @@ def markov_corpus(num: int, seed: int) -> list[list[int]]:
             ids.append(int(table[ids[-2] - 3, ids[-1] - 3, choice]))
         out.append(ids)
     return out
+
+
+class KnownAndDecoy(Drafter):
+    """Drafts the true next token (read from a known output: output[n] follows the prompt and
+    n output tokens) and a token the output never has, in either order; records each call."""
+
+    name = "known-and-decoy"
+
+    def __init__(self, prompt_len: int, output: list[int], decoy: int,
+                 decoy_first: bool) -> None:
+        self.prompt_len, self.output, self.decoy = prompt_len, output, decoy
+        self.decoy_first = decoy_first
+        self.calls: list[tuple[list[int], torch.Tensor | None, int | None]] = []
+
+    def propose(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
+        self.calls.append((list(tokens), draft_logits, prev_draft))
+        n = len(tokens) - self.prompt_len
+        known = self.output[n] if n < len(self.output) else self.decoy + 1
+        return ([self.decoy, known] if self.decoy_first else [known, self.decoy])[:num]
 
 
 @pytest.fixture(scope="session")

@@ -490,11 +490,14 @@ class LLMEngine:
         forced = self._forced(seq) if self.config.spec.forced_drafts == "known" else None
         if forced is not None:
             # teacher forcing: the next token is known, so the lookahead need not guess it
-            # (nor average its query with guesses); drafters catch up on skipped tokens
+            # (nor guess others); drafters catch up on skipped tokens
             seq.draft_tokens = [forced]
             return
-        prev = seq.draft_tokens[0] if seq.draft_tokens else None
-        chain = None if accepted or draft_row is None else draft_row[0]
+        # the self chain continues from the draft row that guessed right, when one did (with
+        # several drafts, a miss of the first need not break it), else from the first
+        right_row = seq.draft_tokens.index(token) if token in seq.draft_tokens else 0
+        prev = seq.draft_tokens[right_row] if seq.draft_tokens else None
+        chain = None if accepted or draft_row is None else draft_row[right_row]
         try:
             seq.draft_tokens = self.drafter.propose(seq.token_ids, chain, prev,
                                                     self.config.spec.num_drafts, seq.request_id)

@@ -2,11 +2,13 @@
 
 Along the DENSE greedy trajectory of each prompt, every decode step runs with a
 `RecallProbe` (`eval/recall_probe.py`, which defines the figures: the exact sets, each
-predictor's prediction, recall, attention mass, churn) and one draft row per (K, drafter);
-the predictions of step t are scored at step t+1.
+predictor's prediction, recall, attention mass, churn) and one draft row per (K, drafter)
+(--num-drafts N: N rows, the drafter's best guesses; the first predicts); the predictions of
+step t are scored at step t+1.
 
 Drafters: `self`, `ngram`, `resync` from `spec.drafters` (each gets the logits of its own draft
-row of the previous step, and its own previous draft), and `oracle`: the true next token, read
+row of the previous step, and its own previous draft: with several rows, the row that was
+right if one was, else the first, as in the engine), and `oracle`: the true next token, read
 from the greedy trajectory decoded first (the measured steps then follow that trajectory; the
 `greedy_mismatches` figure counts steps where the measured forward's argmax differed).
 With --steps S the tool runs S+1 decode steps: steps 0..S-1 carry drafts and predict, steps
@@ -59,6 +61,7 @@ class RecallSpec:
     temperature: float = 0.0  # > 0: the trajectory is sampled (seeded), not greedy
     seed: int = 0
     rerank: float = 0.0  # > 0: lookahead rows re-ranked over rerank*K candidates too
+    num_drafts: int = 1  # draft rows per (K, drafter): the first predicts, a right one chains
 
     def __post_init__(self) -> None:
         bad = [p for p in self.predictors if p not in PREDICTORS]
@@ -77,6 +80,8 @@ class RecallSpec:
             raise ValueError(f"top-K values must be positive, got {self.top_ks}")
         if self.steps <= 0:
             raise ValueError(f"steps must be positive, got {self.steps}")
+        if self.num_drafts <= 0:
+            raise ValueError(f"num_drafts must be positive, got {self.num_drafts}")
         if self.draft_context not in ("sparse", "dense"):
             raise ValueError(f"draft context must be sparse or dense, got {self.draft_context}")
         CacheConfig(rerank=self.rerank)  # raises on a bad value
@@ -118,30 +123,34 @@ def greedy_trajectory(engine, seq: Sequence, num: int) -> list[int]:
     return out
 
 
-def decode_step(engine, seq: Sequence, drafts: dict[tuple[int, str], int],
+def decode_step(engine, seq: Sequence, drafts: dict[tuple[int, str], list[int]],
                 probe: RecallProbe | None, predict: bool = True, score: bool = True,
                 drafter: Drafter | None = None,
                 ) -> tuple[torch.Tensor, dict[tuple[int, str], torch.Tensor]]:
-    """One dense decode step of `seq` (its last token) with draft rows, outside the scheduler.
-    Draft rows of each K get their own SeqAttention (same rows of the normal token, its own
-    draft_valid). Returns the normal row's logits [V] and each draft row's logits; the caller
-    advances the sequence. A `drafter` reading target features observes the normal row's."""
+    """One dense decode step of `seq` (its last token) with draft rows (each (K, drafter) its
+    drafts, best first), outside the scheduler. Draft rows of each K get their own
+    SeqAttention (same rows of the normal token, its own draft_valid). Returns the normal
+    row's logits [V] and each key's draft rows' logits [n, V]; the caller advances the
+    sequence. A `drafter` reading target features observes the normal row's."""
     runner, model = engine.runner, engine.runner.model
     engine.kv.grow(seq, seq.num_computed_tokens + 1)
-    seq.draft_tokens = list(drafts.values())
+    seq.draft_tokens = [t for tokens in drafts.values() for t in tokens]
     try:
         input_ids, positions, ctx = runner.prepare([(seq, 1)])
     finally:
         seq.draft_tokens = []
     base = ctx.seqs[0]
-    rows = dict(zip(drafts, base.draft_rows, strict=True))
+    free = iter(base.draft_rows)
+    rows = {key: [next(free) for _ in tokens] for key, tokens in drafts.items()}
     attns: dict[int, SeqAttention] = {}
     for k in dict.fromkeys(k for k, _ in drafts):
-        attns[k] = dataclasses.replace(base, draft_rows=[r for (kk, _), r in rows.items()
-                                                          if kk == k], draft_valid=None)
+        attns[k] = dataclasses.replace(base, draft_rows=[r for (kk, _), rs in rows.items()
+                                                          if kk == k for r in rs],
+                                       draft_valid=None)
     ctx.seqs, ctx.sparse = list(attns.values()) or [base], probe
-    if probe is not None:
-        probe.begin_step(seq.num_computed_tokens, attns, rows, predict, score)
+    if probe is not None:  # the first draft of each key predicts
+        probe.begin_step(seq.num_computed_tokens, attns,
+                         {key: rs[0] for key, rs in rows.items()}, predict, score)
     with torch.inference_mode():
         set_context(ctx)
         try:
@@ -151,14 +160,17 @@ def decode_step(engine, seq: Sequence, drafts: dict[tuple[int, str], int],
         if drafter is not None:
             hidden, features = hidden
             drafter.observe(seq.request_id, seq.num_computed_tokens, features[:1])
-        logits = model.compute_logits(hidden[[0, *rows.values()]]).float()
-    return logits[0], {key: logits[1 + i] for i, key in enumerate(rows)}
+        logits = model.compute_logits(hidden[[0, *base.draft_rows]]).float()
+    out, at = {}, 1
+    for key, rs in rows.items():
+        out[key], at = logits[at:at + len(rs)], at + len(rs)
+    return logits[0], out
 
 
 def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
                    bar=None, record: bool = False) -> dict:
     """Prefill + S+1 measured decode steps of one prompt; adds its figures to `totals`.
-    Returns timings, the trajectory x_0..x_S (`output_ids`), each (K, drafter)'s drafts
+    Returns timings, the trajectory x_0..x_S (`output_ids`), each (K, drafter)'s first drafts
     (`drafts["K/d"][t]` guessed x_{t+1}), each row's recall per scored step, mean over layers
     (`step_recall["K/predictor[/d]"][t]`: step t's prediction of E_{t+1}) and, with record,
     every step's per-layer queries."""
@@ -199,11 +211,11 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
             if predict:
                 for k, d in keys:
                     if d == ORACLE or (t == 0 and spec.sync_start):
-                        drafts[(k, d)] = trajectory[t + 1]
+                        drafts[(k, d)] = [trajectory[t + 1]]
                     else:
                         drafts[(k, d)] = drafters[d].propose(
-                            seq.token_ids, last_logits.get((k, d)), last_draft.get((k, d)), 1,
-                            seq.request_id)[0]
+                            seq.token_ids, last_logits.get((k, d)), last_draft.get((k, d)),
+                            spec.num_drafts, seq.request_id)
             normal, draft_logits = decode_step(engine, seq, drafts, probe, predict, t > 0,
                                                eagle)
             for (k, pred, d), total in probe.step_recall.items():
@@ -214,10 +226,14 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
                 token = trajectory[t + 1]  # follow the dense trajectory the oracle reads
             if predict:
                 totals.draft_steps += 1
-                for key, draft in drafts.items():
-                    totals.draft_hits[key] = totals.draft_hits.get(key, 0) + (draft == token)
-                    history[f"{key[0]}/{key[1]}"].append(draft)
-            last_logits, last_draft = draft_logits, drafts
+                for key, tokens in drafts.items():
+                    totals.draft_hits[key] = totals.draft_hits.get(key, 0) + (tokens[0] == token)
+                    totals.any_draft_hits[key] = (totals.any_draft_hits.get(key, 0)
+                                                  + (token in tokens))
+                    history[f"{key[0]}/{key[1]}"].append(tokens[0])
+                    # the chain goes on from the row that was right (the engine's rule)
+                    right = tokens.index(token) if token in tokens else 0
+                    last_logits[key], last_draft[key] = draft_logits[key][right], tokens[right]
             if record:
                 recorded.append({"queries": probe.queries, "rows": dict(probe.draft_rows)})
             seq.num_computed_tokens += 1
@@ -256,8 +272,10 @@ def summarize_totals(totals: Totals, spec: RecallSpec) -> list[dict]:
                    "per_layer_recall": per_layer,
                    "per_layer_mass": (totals.mass[key] / scored).tolist()}
             if key[1].startswith("lookahead"):
-                row["draft_accuracy"] = totals.draft_hits.get((k, key[2]), 0) / max(
-                    totals.draft_steps, 1)
+                steps = max(totals.draft_steps, 1)
+                row["draft_accuracy"] = totals.draft_hits.get((k, key[2]), 0) / steps
+                if spec.num_drafts > 1:
+                    row["any_draft_right"] = totals.any_draft_hits.get((k, key[2]), 0) / steps
             if key[1] == "exact" and totals.churn.get(k):
                 samples = torch.cat(totals.churn[k])
                 row["churn"] = float(samples.mean())
@@ -268,7 +286,8 @@ def summarize_totals(totals: Totals, spec: RecallSpec) -> list[dict]:
 
 COLUMNS = [("top_k", "K"), ("predictor", "predictor"), ("drafter", "drafter"),
            ("recall", "recall"), ("recall_worst_layer", "worst layer"),
-           ("draft_accuracy", "draft right"), ("mass", "attn mass"), ("churn", "churn mean"),
+           ("draft_accuracy", "draft right"), ("any_draft_right", "any draft right"),
+           ("mass", "attn mass"), ("churn", "churn mean"),
            ("churn_p90", "churn p90")]
 
 
@@ -336,7 +355,8 @@ def run_recall_eval(args: argparse.Namespace) -> list[dict]:
     spec = RecallSpec(top_ks=parse_list(args.top_k), predictors=parse_list(args.predictor, str),
                       drafters=parse_list(args.drafter, str), steps=args.steps,
                       draft_context=args.draft_context, sync_start=args.sync_start,
-                      temperature=args.temperature, seed=args.seed, rerank=args.rerank)
+                      temperature=args.temperature, seed=args.seed, rerank=args.rerank,
+                      num_drafts=args.num_drafts)
     kwargs = {"model": args.model, "dtype": args.dtype, "kv_mode": "dense",
               "block_size": args.block_size}
     if args.num_threads:
@@ -356,7 +376,7 @@ def run_recall_eval(args: argparse.Namespace) -> list[dict]:
           f"{spec.draft_context} set, draft chains started "
           f"{'in sync (step 0: true x_1)' if spec.sync_start else 'cold'}, "
           f"trajectory {trajectory}\n")
-    print(markdown_table(rows, COLUMNS))
+    print(markdown_table(rows, [c for c in COLUMNS if any(c[0] in r for r in rows)]))
     print(f"\nrecall = |predicted ∩ exact next-step top-K| / K (mean over layers, KV heads, "
           f"steps, prompts); attn mass = share of the next token's attention over complete "
           f"blocks inside the predicted blocks; churn = |E_t+1 \\ E_t| / K. Greedy "
@@ -366,7 +386,7 @@ def run_recall_eval(args: argparse.Namespace) -> list[dict]:
                "top_k": spec.top_ks, "predictors": spec.predictors, "drafters": spec.drafters,
                "draft_context": spec.draft_context, "sync_start": spec.sync_start,
                "temperature": spec.temperature, "seed": spec.seed, "rerank": spec.rerank,
-               "num_layers": cfg.num_layers,
+               "num_drafts": spec.num_drafts, "num_layers": cfg.num_layers,
                "threads": torch.get_num_threads(), "greedy_mismatches": totals.greedy_mismatches,
                "time_s": elapsed, "prompts": result["prompts"], "rows": rows}
     write_json(args.json, payload)

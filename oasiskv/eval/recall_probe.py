@@ -14,8 +14,9 @@ processes x_t at position P = prompt + t and computes, per layer l and KV head g
   forward, at position P+1. At each layer it attends ONLY to E_t(l, g) (per KV head) + x_t's
   block + its own K/V (the working set a sparse engine holds at step t; `--draft-context dense`
   lets it see everything instead: the upper bound), never written to the cache. The top-K of
-  its query is the prediction. All drafts of a step go in one forward (one draft row per
-  (K, drafter), each seeing only itself among the drafts); x_t itself attends densely.
+  its query is the prediction (the first draft's, with several per (K, drafter)). All drafts
+  of a step go in one forward, each seeing only itself among the drafts; x_t itself attends
+  densely.
 
 The predictions made at step t are scored at step t+1 against E_{t+1}:
 - recall |P ∩ E_{t+1}| / K per layer (mean over KV heads), averaged over layers, steps, prompts;
@@ -26,7 +27,8 @@ The predictions made at step t are scored at step t+1 against E_{t+1}:
   two rows is what the Quest bound costs, the rest of the missing mass is the budget K;
 - with --rerank c, `lookahead rerank=c` rows: each drafter's best c*K blocks by Quest score,
   re-ranked by the draft query's softmax attention over their keys (the engine's `rerank`);
-- draft accuracy: the share of steps whose draft was x_{t+1};
+- draft accuracy: the share of steps whose (first) draft was x_{t+1}; with several drafts per
+  row (`--num-drafts`) the first predicts, and `any draft right` counts steps where one was;
 - churn (on the `exact` row): |E_{t+1} \\ E_t| / K, mean and p90 over (prompt, step, layer, KV
   head).
 """
@@ -63,6 +65,7 @@ class Totals:
     scored: torch.Tensor | None = None  # [L] scored steps per layer
     churn: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     draft_hits: dict[tuple[int, str], int] = field(default_factory=dict)
+    any_draft_hits: dict[tuple[int, str], int] = field(default_factory=dict)
     draft_steps: int = 0
     greedy_mismatches: int = 0
 

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import KnownAndDecoy
 
 from oasiskv import LLM
 from oasiskv.cli import main
@@ -125,6 +126,27 @@ def test_sync_start_makes_step_0s_drafts_the_true_next_token(llm):
     assert result["totals"].greedy_mismatches == 0  # the trajectory was decoded first
 
 
+def test_a_drafters_chain_goes_on_from_the_draft_that_was_right(llm, monkeypatch):
+    """Two drafts per row, a wrong one first: the next step's drafter gets the right row's
+    draft and logits, which (drafts over the dense context) are the next step's."""
+    ids = prompt_ids()
+    oracle = RecallSpec([2], ["lookahead"], ["oracle"], steps=4)
+    greedy = run_recall(llm, [{"ids": ids}], oracle, progress=False)["prompts"][0]["output_ids"]
+    spy = KnownAndDecoy(len(ids), greedy, next(t for t in range(5, 300) if t not in greedy),
+                        decoy_first=True)
+    monkeypatch.setattr(rc, "make_drafter", lambda name, **kwargs: spy)
+    spec = RecallSpec([2], ["lookahead"], ["known"], steps=4, draft_context="dense",
+                      num_drafts=2)
+    result = run_recall(llm, [{"ids": ids}], spec, progress=False)
+    chained = [c for c in spy.calls[1:] if c[1] is not None]  # calls[0]: the spec's check
+    assert len(chained) == spec.steps - 1
+    for tokens, logits, prev in chained:
+        assert prev == tokens[-1]
+        assert int(logits.argmax()) == greedy[len(tokens) - len(ids)]
+    row = next(r for r in result["rows"] if r["predictor"] == "lookahead")
+    assert row["draft_accuracy"] == 0 and row["any_draft_right"] == 1
+
+
 # ---- the normal token is not disturbed -----------------------------------------------------
 
 def test_normal_logits_do_not_change_with_draft_rows(llm):
@@ -134,11 +156,16 @@ def test_normal_logits_do_not_change_with_draft_rows(llm):
         probe = RecallProbe(engine.runner.model, engine.runner.device_kv, seq, 16, [2, 4],
                             True, Totals(2))
         probe.prefill_summaries(seq.num_prompt_tokens)
-        drafts = {(2, "a"): 5, (2, "b"): 9, (4, "a"): 5, (4, "b"): 17}
+        drafts = {(2, "a"): [5], (2, "b"): [9, 3], (4, "a"): [5], (4, "b"): [17]}
         with_drafts, draft_logits = decode_step(engine, seq, drafts, probe, True, False)
         alone, none = decode_step(engine, seq, {}, None)
         assert none == {} and set(draft_logits) == set(drafts)
+        assert [len(draft_logits[key]) for key in drafts] == [1, 2, 1, 1]
         torch.testing.assert_close(with_drafts, alone, atol=1e-5, rtol=1e-5)
+        # a draft row sees only itself among the drafts: 9's logits without 3 beside it
+        _, nine = decode_step(engine, seq, {(2, "b"): [9]}, probe, True, False)
+        torch.testing.assert_close(nine[(2, "b")][0], draft_logits[(2, "b")][0], atol=1e-5,
+                                   rtol=1e-5)
         # The same token through the engine's own dense step agrees too.
         engine.step()
         assert seq.token_ids[-1] == int(alone.argmax())

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import KnownAndDecoy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -115,6 +116,45 @@ def test_every_predictor_and_drafter_equals_dense_when_k_covers_all(tiny_llama, 
         assert sum(o.metrics.num_drafts_right for o in sparse) == stats["drafts_right"]
     else:
         assert stats["drafts"] == 0
+
+
+def test_the_draft_chain_goes_on_from_the_draft_that_was_right(tiny_llama):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = list(range(3, 40))
+    dense = LLM(str(tiny_llama)).generate([prompt], params, use_tqdm=False)[0].token_ids
+    decoy = next(t for t in range(5, 100) if t not in dense)
+    # K covers every block: attention is exact, so a right draft row computes what the next
+    # step computes
+    llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=8, num_drafts=2)
+    spy = llm.engine.drafter = KnownAndDecoy(len(prompt), dense, decoy, decoy_first=True)
+    assert llm.generate([prompt], params, use_tqdm=False)[0].token_ids == dense
+    chained = [c for c in spy.calls if c[1] is not None]
+    assert len(chained) == len(dense) - 2  # every decode step but the last proposes
+    for tokens, logits, prev in chained:
+        # the second draft was right, so the chain continues from its row: its draft and its
+        # logits, whose argmax is the next greedy token
+        assert prev == tokens[-1]
+        assert int(logits.argmax()) == dense[len(tokens) - len(prompt)]
+    assert llm.stats()["drafts_right"] == 0  # the first draft never was
+
+
+def test_the_lookahead_predicts_with_the_first_draft_alone(tiny_llama):
+    """A second, wrong draft changes nothing the lookahead selects (averaging its query with
+    the first's would): the same tokens and the same traffic as the first draft alone."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = [(7 * i) % 90 + 3 for i in range(100)]  # 6 blocks of 16, K=2: selections matter
+    dense = LLM(str(tiny_llama)).generate([prompt], params, use_tqdm=False)[0].token_ids
+    decoy = next(t for t in range(5, 100) if t not in dense)
+    runs = []
+    for num in (1, 2):
+        llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=2, f_hbm=1.0, num_drafts=num)
+        llm.engine.drafter = KnownAndDecoy(len(prompt), dense, decoy, decoy_first=False)
+        out = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+        stats = llm.stats()
+        runs.append((out, stats["sparse_hits"], stats["sparse_admitted"],
+                     stats["sparse_h2d_bytes"]))
+        assert stats["drafts"] > 0
+    assert runs[0] == runs[1]
 
 
 def test_model_drafter_with_the_target_as_its_own_draft_is_always_right(tiny_llama):
