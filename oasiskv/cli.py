@@ -407,9 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="c >= 1: also lookahead rows whose best c*K blocks by summary score "
                      "are re-ranked by the draft query's attention over their keys")
     rec.add_argument("--num-drafts", type=int, default=1,
-                     help="draft rows per K and drafter (the drafter's best guesses): the first "
-                     "predicts; the next step's draft chain goes on from the row that was "
-                     "right (the engine's num_drafts)")
+                     help="draft rows per K and drafter (its best guesses), mixed as the engine "
+                     "mixes them (greedy: the first predicts; sampled: the mean weighted by "
+                     "each one's chance of being sampled); the next step's draft chain goes on "
+                     "from the row that was right (the engine's num_drafts)")
     rec.add_argument("--block-size", type=int, default=16, help="tokens per block (B)")
     rec.add_argument("--dtype", default="float32")
     rec.add_argument("--num-threads", type=int, default=None)

@@ -291,8 +291,9 @@ class SpecConfig:
     draft_model: str | None = _field(
         None, "drafter=model: a small model sharing the tokenizer (alias, HF dir or .gguf)")
     num_drafts: int = _field(
-        1, "drafts per request and step: the lookahead predicts with the first; the draft "
-        "chain continues from whichever was right")
+        1, "drafts per request and step: the lookahead predicts with the first (greedy) or "
+        "the drafts' mean weighted by their probability of being sampled (temperature > 0); "
+        "the draft chain continues from whichever was right")
     speculative: str = _field(
         "off", "accept: verify the first draft and keep it when right, so a step can emit two "
         "tokens (rejection sampling keeps the output distribution unchanged)")

@@ -102,21 +102,23 @@ def markov_corpus(num: int, seed: int) -> list[list[int]]:
 
 class KnownAndDecoy(Drafter):
     """Drafts the true next token (read from a known output: output[n] follows the prompt and
-    n output tokens) and a token the output never has, in either order; records each call."""
+    n output tokens) and a token the output never has, in either order, with `weights`;
+    records each call."""
 
     name = "known-and-decoy"
 
     def __init__(self, prompt_len: int, output: list[int], decoy: int,
-                 decoy_first: bool) -> None:
+                 decoy_first: bool, weights: list[float] | None = None) -> None:
         self.prompt_len, self.output, self.decoy = prompt_len, output, decoy
-        self.decoy_first = decoy_first
+        self.decoy_first, self.weights = decoy_first, weights
         self.calls: list[tuple[list[int], torch.Tensor | None, int | None]] = []
 
-    def propose(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
+    def propose_weighted(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
         self.calls.append((list(tokens), draft_logits, prev_draft))
         n = len(tokens) - self.prompt_len
         known = self.output[n] if n < len(self.output) else self.decoy + 1
-        return ([self.decoy, known] if self.decoy_first else [known, self.decoy])[:num]
+        guesses = [self.decoy, known] if self.decoy_first else [known, self.decoy]
+        return guesses[:num], self.weights and self.weights[:num]
 
 
 @pytest.fixture(scope="session")

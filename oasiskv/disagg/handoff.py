@@ -51,6 +51,7 @@ class Handoff:
     seeded: list[bool]  # per layer: the fetch cap applies
     primed: list[bool]  # per layer: the next step's blocks are chosen
     draft_tokens: list[int]
+    draft_weights: list[float] | None
     generator_state: torch.Tensor | None  # seeded sampling continues where it stopped
     metrics: RequestMetrics  # arrival, first token (one process: perf_counter is shared)
     block_size: int
@@ -116,6 +117,7 @@ def take_handoff(kv: SparseKV, seq: Sequence, transfer: str) -> Handoff:
         kmin=kv.kmin[:, ids].cpu(), kmax=kv.kmax[:, ids].cpu(), tail=tail.cpu(),
         head_map=ws.head_map.clone(), ages=ws.last_used - stamp(kv.step),
         seeded=list(ws.seeded), primed=list(ws.primed), draft_tokens=list(seq.draft_tokens),
+        draft_weights=seq.draft_weights,
         generator_state=None if seq.generator is None else seq.generator.get_state(),
         metrics=seq.metrics, block_size=B)
 

@@ -32,7 +32,7 @@ from oasiskv.prefetch.pipeline import PrefetchPipeline
 from oasiskv.prefetch.stages import warm_up_scores
 from oasiskv.prefetch.trace import Tracer
 from oasiskv.sampling_params import SamplingParams
-from oasiskv.spec.drafters import make_drafter
+from oasiskv.spec.drafters import make_drafter, sampling_weights
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +310,8 @@ class LLMEngine:
         seq = Sequence(h.request_id, list(h.token_ids), h.num_prompt_tokens, params,
                        prompt=h.prompt, max_context=max_context, metrics=h.metrics,
                        num_computed_tokens=h.num_computed_tokens, handoff=h,
-                       host_budget=budget, draft_tokens=list(h.draft_tokens))
+                       host_budget=budget, draft_tokens=list(h.draft_tokens),
+                       draft_weights=h.draft_weights)
         if h.generator_state is not None:
             seq.generator = torch.Generator()
             seq.generator.set_state(h.generator_state)
@@ -491,7 +492,7 @@ class LLMEngine:
         if forced is not None:
             # teacher forcing: the next token is known, so the lookahead need not guess it
             # (nor guess others); drafters catch up on skipped tokens
-            seq.draft_tokens = [forced]
+            seq.draft_tokens, seq.draft_weights = [forced], None
             return
         # the self chain continues from the draft row that guessed right, when one did (with
         # several drafts, a miss of the first need not break it), else from the first
@@ -499,11 +500,13 @@ class LLMEngine:
         prev = seq.draft_tokens[right_row] if seq.draft_tokens else None
         chain = None if accepted or draft_row is None else draft_row[right_row]
         try:
-            seq.draft_tokens = self.drafter.propose(seq.token_ids, chain, prev,
-                                                    self.config.spec.num_drafts, seq.request_id)
+            seq.draft_tokens, probs = self.drafter.propose_weighted(
+                seq.token_ids, chain, prev, self.config.spec.num_drafts, seq.request_id)
+            seq.draft_weights = sampling_weights(probs, len(seq.draft_tokens),
+                                                 seq.params.temperature)
         except Exception as e:  # noqa: BLE001 - a draft is a hint, never a failure
             log.warning("drafter failed for request %s: %r", seq.request_id, e)
-            seq.draft_tokens = []
+            seq.draft_tokens, seq.draft_weights = [], None
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
                 drafts: dict[int, torch.Tensor | None]) -> list[tuple[int | Exception, bool]]:

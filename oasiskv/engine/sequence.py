@@ -85,6 +85,9 @@ class Sequence:
     host_budget: int | None = None  # a handed-over request: host blocks its cache will own
     working_set: object | None = None  # sparse: kv.residency.WorkingSet once decoding
     draft_tokens: list[int] = field(default_factory=list)  # guesses of the next token
+    # how likely each is to be taken next, up to a factor (`spec.drafters.sampling_weights`;
+    # None: equal): the lookahead's query is the drafts' mean with these weights
+    draft_weights: list[float] | None = None
     # K/V of the first n prompt tokens computed elsewhere, [L, K/V, Hkv, n, d]: the runner
     # writes it into the cache the first time the request runs, instead of computing it.
     prefix_kv: torch.Tensor | None = None

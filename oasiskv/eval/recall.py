@@ -3,8 +3,8 @@
 Along the DENSE greedy trajectory of each prompt, every decode step runs with a
 `RecallProbe` (`eval/recall_probe.py`, which defines the figures: the exact sets, each
 predictor's prediction, recall, attention mass, churn) and one draft row per (K, drafter)
-(--num-drafts N: N rows, the drafter's best guesses; the first predicts); the predictions of
-step t are scored at step t+1.
+(--num-drafts N: N rows, the drafter's best guesses, whose queries the engine's way mixes);
+the predictions of step t are scored at step t+1.
 
 Drafters: `self`, `ngram`, `resync` from `spec.drafters` (each gets the logits of its own draft
 row of the previous step, and its own previous draft: with several rows, the row that was
@@ -40,7 +40,7 @@ from oasiskv.data.passages import paragraph_prompt
 from oasiskv.engine.sequence import Sequence
 from oasiskv.eval.recall_probe import RecallProbe, Totals, reranked
 from oasiskv.sampling_params import SamplingParams
-from oasiskv.spec.drafters import Drafter, make_drafter
+from oasiskv.spec.drafters import Drafter, make_drafter, sampling_weights
 
 # (novel, character offset): each prompt starts at the first paragraph at or after the offset.
 PROMPTS: tuple[tuple[str, int], ...] = (("prideprejudice", 206_230), ("emma", 265_135),
@@ -61,7 +61,7 @@ class RecallSpec:
     temperature: float = 0.0  # > 0: the trajectory is sampled (seeded), not greedy
     seed: int = 0
     rerank: float = 0.0  # > 0: lookahead rows re-ranked over rerank*K candidates too
-    num_drafts: int = 1  # draft rows per (K, drafter): the first predicts, a right one chains
+    num_drafts: int = 1  # draft rows per (K, drafter), mixed as the engine mixes them
 
     def __post_init__(self) -> None:
         bad = [p for p in self.predictors if p not in PREDICTORS]
@@ -126,12 +126,13 @@ def greedy_trajectory(engine, seq: Sequence, num: int) -> list[int]:
 def decode_step(engine, seq: Sequence, drafts: dict[tuple[int, str], list[int]],
                 probe: RecallProbe | None, predict: bool = True, score: bool = True,
                 drafter: Drafter | None = None,
+                weights: dict[tuple[int, str], list[float] | None] | None = None,
                 ) -> tuple[torch.Tensor, dict[tuple[int, str], torch.Tensor]]:
     """One dense decode step of `seq` (its last token) with draft rows (each (K, drafter) its
-    drafts, best first), outside the scheduler. Draft rows of each K get their own
-    SeqAttention (same rows of the normal token, its own draft_valid). Returns the normal
-    row's logits [V] and each key's draft rows' logits [n, V]; the caller advances the
-    sequence. A `drafter` reading target features observes the normal row's."""
+    drafts, best first, with the drafter's `weights`), outside the scheduler. Draft rows of
+    each K get their own SeqAttention (same rows of the normal token, its own draft_valid).
+    Returns the normal row's logits [V] and each key's draft rows' logits [n, V]; the caller
+    advances the sequence. A `drafter` reading target features observes the normal row's."""
     runner, model = engine.runner, engine.runner.model
     engine.kv.grow(seq, seq.num_computed_tokens + 1)
     seq.draft_tokens = [t for tokens in drafts.values() for t in tokens]
@@ -148,9 +149,8 @@ def decode_step(engine, seq: Sequence, drafts: dict[tuple[int, str], list[int]],
                                                           if kk == k for r in rs],
                                        draft_valid=None)
     ctx.seqs, ctx.sparse = list(attns.values()) or [base], probe
-    if probe is not None:  # the first draft of each key predicts
-        probe.begin_step(seq.num_computed_tokens, attns,
-                         {key: rs[0] for key, rs in rows.items()}, predict, score)
+    if probe is not None:
+        probe.begin_step(seq.num_computed_tokens, attns, rows, weights or {}, predict, score)
     with torch.inference_mode():
         set_context(ctx)
         try:
@@ -207,17 +207,19 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
         layers = engine.model_config.num_layers
         for t in range(spec.steps + 1):
             predict = t < spec.steps
-            drafts = {}
+            drafts, weights = {}, {}
             if predict:
                 for k, d in keys:
                     if d == ORACLE or (t == 0 and spec.sync_start):
                         drafts[(k, d)] = [trajectory[t + 1]]
                     else:
-                        drafts[(k, d)] = drafters[d].propose(
+                        drafts[(k, d)], probs = drafters[d].propose_weighted(
                             seq.token_ids, last_logits.get((k, d)), last_draft.get((k, d)),
                             spec.num_drafts, seq.request_id)
+                        weights[(k, d)] = sampling_weights(probs, len(drafts[(k, d)]),
+                                                           spec.temperature)
             normal, draft_logits = decode_step(engine, seq, drafts, probe, predict, t > 0,
-                                               eagle)
+                                               eagle, weights)
             for (k, pred, d), total in probe.step_recall.items():
                 step_recall.setdefault(f"{k}/{pred}/{d}".rstrip("/"), []).append(total / layers)
             token = int(normal.argmax())
@@ -235,7 +237,8 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
                     right = tokens.index(token) if token in tokens else 0
                     last_logits[key], last_draft[key] = draft_logits[key][right], tokens[right]
             if record:
-                recorded.append({"queries": probe.queries, "rows": dict(probe.draft_rows)})
+                recorded.append({"queries": probe.queries,
+                                 "rows": {key: rs[0] for key, rs in probe.draft_rows.items()}})
             seq.num_computed_tokens += 1
             seq.token_ids.append(token)
             if bar is not None:

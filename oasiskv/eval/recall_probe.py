@@ -14,9 +14,10 @@ processes x_t at position P = prompt + t and computes, per layer l and KV head g
   forward, at position P+1. At each layer it attends ONLY to E_t(l, g) (per KV head) + x_t's
   block + its own K/V (the working set a sparse engine holds at step t; `--draft-context dense`
   lets it see everything instead: the upper bound), never written to the cache. The top-K of
-  its query is the prediction (the first draft's, with several per (K, drafter)). All drafts
-  of a step go in one forward, each seeing only itself among the drafts; x_t itself attends
-  densely.
+  its query is the prediction (with several drafts per (K, drafter), their mean weighted as
+  the engine weighs them: `spec.drafters.sampling_weights`, `kv.select.mixed_query`). All
+  drafts of a step go in one forward, each seeing only itself among the drafts; x_t itself
+  attends densely.
 
 The predictions made at step t are scored at step t+1 against E_{t+1}:
 - recall |P ∩ E_{t+1}| / K per layer (mean over KV heads), averaged over layers, steps, prompts;
@@ -28,7 +29,7 @@ The predictions made at step t are scored at step t+1 against E_{t+1}:
 - with --rerank c, `lookahead rerank=c` rows: each drafter's best c*K blocks by Quest score,
   re-ranked by the draft query's softmax attention over their keys (the engine's `rerank`);
 - draft accuracy: the share of steps whose (first) draft was x_{t+1}; with several drafts per
-  row (`--num-drafts`) the first predicts, and `any draft right` counts steps where one was;
+  row (`--num-drafts`), `any draft right` counts steps where one of them was;
 - churn (on the `exact` row): |E_{t+1} \\ E_t| / K, mean and p90 over (prompt, step, layer, KV
   head).
 """
@@ -44,7 +45,7 @@ from oasiskv.context import SeqAttention
 from oasiskv.engine.sequence import Sequence
 from oasiskv.eval.metrics import block_mass, captured_mass, churn, membership, recall
 from oasiskv.kv.blocks import is_contiguous
-from oasiskv.kv.select import block_scores, rerank_by_mass, top_k_blocks
+from oasiskv.kv.select import block_scores, mixed_query, rerank_by_mass, top_k_blocks
 from oasiskv.kv.summaries import summarize
 
 RowKey = tuple[int, str, str]  # (K, predictor, drafter)
@@ -132,8 +133,11 @@ class RecallProbe:
         self.num_summarized = n
 
     def begin_step(self, pos: int, attns: dict[int, SeqAttention],
-                   draft_rows: dict[tuple[int, str], int], predict: bool, score: bool) -> None:
-        self.pos, self.attns, self.draft_rows = pos, attns, draft_rows
+                   draft_rows: dict[tuple[int, str], list[int]],
+                   draft_weights: dict[tuple[int, str], list[float] | None],
+                   predict: bool, score: bool) -> None:
+        self.pos, self.attns = pos, attns
+        self.draft_rows, self.draft_weights = draft_rows, draft_weights
         self.predict, self.score = predict, score
         self.queries, self.step_recall = [], {}
         if score:
@@ -181,11 +185,12 @@ class RecallProbe:
         if self.rerank:
             keys = self.keys(layer, 0, n_next * self.block).unflatten(1, (n_next, self.block))
             heads = torch.arange(keys.shape[0])[:, None]
-        for (k, drafter), row in self.draft_rows.items():
-            scores = block_scores(q[row], kmin, kmax)
+        for (k, drafter), rows in self.draft_rows.items():
+            query = mixed_query(q[rows], self.draft_weights.get((k, drafter)))  # the engine's
+            scores = block_scores(query, kmin, kmax)
             self.pending[layer][(k, "lookahead", drafter)] = top_k_blocks(scores, k)
             if self.rerank:  # candidates [Hkv, c] -> their keys [Hkv, c*B, d]
-                mass = rerank_by_mass(scores, q[row], lambda c: keys[heads, c].flatten(1, 2),
+                mass = rerank_by_mass(scores, query, lambda c: keys[heads, c].flatten(1, 2),
                                       self.scales[layer], self.block, ceil(self.rerank * k))
                 self.pending[layer][(k, reranked(self.rerank), drafter)] = top_k_blocks(mass, k)
 

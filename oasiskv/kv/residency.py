@@ -38,7 +38,7 @@ from oasiskv.config import CRITICAL_PATH, CacheConfig
 from oasiskv.context import SeqAttention
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import is_contiguous
-from oasiskv.kv.select import insert_block
+from oasiskv.kv.select import insert_block, mixed_query
 from oasiskv.kv.summaries import round_outward, summarize
 from oasiskv.prefetch.executor import InlineExecutor, PrefetchError
 from oasiskv.prefetch.pipeline import PrefetchPipeline
@@ -461,7 +461,7 @@ class SparseKV:
 
     def after_attention(self, layer: int, q: torch.Tensor) -> None:
         """After layer `layer`'s attention has read the slab: submits the prediction of the
-        next step's blocks (lookahead: the first draft's query; previous: this step's
+        next step's blocks (lookahead: the drafts' weighted query; previous: this step's
         query) and their fetch to the pipeline, so the next step only attends."""
         if self.cfg.predictor in CRITICAL_PATH or not self._decodes:
             return
@@ -469,13 +469,15 @@ class SparseKV:
                    if not (self.frozen and all(d.seq.working_set.seeded))]
         if not decodes:
             return
-        # the predicting row: lookahead, the first (best) draft's; previous, the step's own.
-        # (Averaging several drafts' queries recalled less than the first alone: `eval recall
-        # --num-drafts`; the other drafts keep the draft chain in sync.)
-        lookahead = self.cfg.predictor == "lookahead"
-        rows = [d.attn.draft_rows[0] if lookahead and d.attn.draft_rows else d.attn.q_start
-                for d in decodes]
-        queries = q[torch.tensor(rows, device=q.device)]  # [R, H, d] (a copy: jobs keep it)
+        # the predicting rows: lookahead, the drafts' (their probability-weighted mean);
+        # previous, the step's own
+        rows = [(d.attn.draft_rows if self.cfg.predictor == "lookahead" else []) or
+                [d.attn.q_start] for d in decodes]
+        if all(len(r) == 1 for r in rows):  # one gather for the batch (a copy: jobs keep it)
+            queries = q[torch.tensor([r[0] for r in rows], device=q.device)]  # [R, H, d]
+        else:
+            queries = torch.stack([mixed_query(q[r], d.seq.draft_weights)
+                                   for r, d in zip(rows, decodes, strict=True)])
         for d in decodes:
             d.seq.working_set.primed[layer] = True
         if self.remote is not None:  # one layer per job: its remote fetch is that layer's

@@ -91,6 +91,18 @@ def rerank_by_mass(scores: torch.Tensor, q: torch.Tensor, keys_of: Callable[[tor
     return torch.full_like(scores, float("-inf")).scatter_(-1, top.indices, mass)
 
 
+def mixed_query(queries: torch.Tensor, weights: list[float] | None) -> torch.Tensor:
+    """Several drafts' queries [m, H, d] -> one [H, d]: their mean weighted by how likely each
+    draft is to be the next token (`spec.drafters.sampling_weights`; equal weights without),
+    so that the selection covers what the next step may need, likely guesses first."""
+    if len(queries) == 1:
+        return queries[0]
+    if weights is None:
+        return queries.mean(0)
+    w = torch.tensor(weights, dtype=queries.dtype, device=queries.device)
+    return (w[:, None, None] * queries).sum(0) / w.sum()
+
+
 def top_k_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
     """[Hkv, n] -> [Hkv, min(k, n)] block indices, best first."""
     return torch.topk(scores, min(k, scores.shape[-1]), dim=-1, sorted=True).indices

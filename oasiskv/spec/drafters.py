@@ -29,15 +29,23 @@ class Drafter(ABC):
     feature_layers: tuple[int, ...] = ()
 
     @abstractmethod
-    def propose(self, tokens: list[int], draft_logits: torch.Tensor | None,
-                prev_draft: int | None, num: int = 1, request_id: str = "") -> list[int]:
-        """`num` distinct guesses of the token after tokens[-1], best first.
+    def propose_weighted(self, tokens: list[int], draft_logits: torch.Tensor | None,
+                         prev_draft: int | None, num: int = 1, request_id: str = "",
+                         ) -> tuple[list[int], list[float] | None]:
+        """`num` distinct guesses of the token after tokens[-1], best first, and the drafter's
+        probability of each (None where it has none, as prompt lookup).
 
         tokens: the request's tokens so far (prompt + output, newest last);
-        draft_logits: [V] logits of the previous step's first draft row, or None;
+        draft_logits: [V] logits of the previous step's draft row that was right (the first
+        when none was), or None;
         prev_draft: that draft token (compare with tokens[-1] to know if it was right);
         request_id: for drafters that keep state per request.
         """
+
+    def propose(self, tokens: list[int], draft_logits: torch.Tensor | None,
+                prev_draft: int | None, num: int = 1, request_id: str = "") -> list[int]:
+        """The guesses of `propose_weighted` alone."""
+        return self.propose_weighted(tokens, draft_logits, prev_draft, num, request_id)[0]
 
     def observe(self, request_id: str, start: int,  # noqa: B027 - optional
                 features: torch.Tensor) -> None:
@@ -45,6 +53,27 @@ class Drafter(ABC):
 
     def release(self, request_id: str) -> None:  # noqa: B027 - optional: stateless by default
         """The request ended: drop whatever state the drafter keeps for it."""
+
+
+def top_guesses(logits: torch.Tensor, num: int) -> tuple[list[int], list[float]]:
+    """The `num` likeliest tokens of [V] logits and their probabilities."""
+    top = torch.topk(torch.softmax(logits.float(), -1), num)
+    return top.indices.tolist(), top.values.tolist()
+
+
+def sampling_weights(probs: list[float] | None, num: int,
+                     temperature: float) -> list[float] | None:
+    """How likely each of `num` drafts (best first) is to be the token the request takes next,
+    up to a factor: greedy decoding takes the drafter's best guess (weight 1 for the first,
+    0 for the rest); sampling at T takes draft i about as often as p_i^(1/T), the drafter's
+    probabilities standing for the target's at T=1. None: no probabilities (equal weights).
+    (`eval recall --num-drafts`: at T=0 the first draft alone recalls the next step's blocks
+    best, at T=0.7 these weights beat both the first alone and the plain mean.)"""
+    if temperature == 0:
+        return [1.0] + [0.0] * (num - 1)
+    if probs is None:
+        return None
+    return [(p / probs[0]) ** (1.0 / temperature) for p in probs]  # the first: 1, no underflow
 
 
 def _fill(guesses: list[int], tokens: list[int], num: int) -> list[int]:
@@ -63,10 +92,10 @@ class SelfDrafter(Drafter):
 
     name = "self"
 
-    def propose(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
+    def propose_weighted(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
         if draft_logits is None:  # first decode step: no draft row yet
-            return NgramDrafter().propose(tokens, None, None, num)
-        return torch.topk(draft_logits, num).indices.tolist()
+            return NgramDrafter().propose_weighted(tokens, None, None, num)
+        return top_guesses(draft_logits, num)
 
 
 class NgramDrafter(Drafter):
@@ -91,7 +120,7 @@ class NgramDrafter(Drafter):
             self._ids[request_id] = ids
         return ids
 
-    def propose(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
+    def propose_weighted(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
         guesses: list[int] = []
         ids = self._array(tokens, request_id)
         # ends of earlier windows (each with a token after it) that match the last token; a
@@ -107,10 +136,10 @@ class NgramDrafter(Drafter):
             if len(matches):
                 guesses.append(int(ids[matches[-1] + 1]))  # the latest match
                 if len(set(guesses)) >= num:
-                    return _fill(guesses, tokens, num)
+                    return _fill(guesses, tokens, num), None
         if draft_logits is not None:
             guesses += torch.topk(draft_logits, num).indices.tolist()
-        return _fill(guesses, tokens, num)
+        return _fill(guesses, tokens, num), None
 
     def release(self, request_id: str) -> None:
         self._ids.pop(request_id, None)
@@ -125,10 +154,10 @@ class ResyncDrafter(Drafter):
     def __init__(self) -> None:
         self.ngram = NgramDrafter()
 
-    def propose(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
+    def propose_weighted(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
         if prev_draft is None or prev_draft == tokens[-1]:
-            return SelfDrafter().propose(tokens, draft_logits, prev_draft, num)
-        return self.ngram.propose(tokens, None, prev_draft, num, request_id)
+            return SelfDrafter().propose_weighted(tokens, draft_logits, prev_draft, num)
+        return self.ngram.propose_weighted(tokens, None, prev_draft, num, request_id)
 
     def release(self, request_id: str) -> None:
         self.ngram.release(request_id)
@@ -151,7 +180,7 @@ class ModelDrafter(Drafter):
                              f"{vocab_size}: a draft model must share the tokenizer")
         self.seqs: dict[str, Sequence] = {}
 
-    def propose(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
+    def propose_weighted(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
         from oasiskv.sampling_params import SamplingParams
 
         seq = self.seqs.get(request_id)
@@ -163,7 +192,7 @@ class ModelDrafter(Drafter):
         self.engine.kv.grow(seq, len(tokens))
         logits = self.engine.runner.run([(seq, new)], [new - 1]).logits
         seq.num_computed_tokens = len(tokens)
-        return torch.topk(logits[0], num).indices.tolist()
+        return top_guesses(logits[0], num)
 
     def release(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -208,7 +237,7 @@ class EagleDrafter(Drafter):
         st.next_row = max(st.next_row, st.feature_start + 1)
 
     @torch.inference_mode()
-    def propose(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
+    def propose_weighted(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
         st = self.states.get(request_id)
         if st is not None:
             first = max(st.next_row, st.feature_start + 1, len(tokens) - self.window)
@@ -216,8 +245,9 @@ class EagleDrafter(Drafter):
             if first <= last:
                 self._run(st, tokens, first, last)
         if st is None or st.logits is None or st.next_row != len(tokens):
-            return self.ngram.propose(tokens, None, prev_draft, num, request_id)
-        return self.head.d2t[torch.topk(st.logits, num).indices].tolist()
+            return self.ngram.propose_weighted(tokens, None, prev_draft, num, request_id)
+        guesses, probs = top_guesses(st.logits, num)  # over the draft vocabulary
+        return self.head.d2t[guesses].tolist(), probs
 
     def _run(self, st: _HeadState, tokens: list[int], first: int, last: int) -> None:
         positions = torch.arange(first, last + 1)
@@ -246,10 +276,10 @@ class ResyncEagleDrafter(EagleDrafter):
 
     name = "resync-eagle"
 
-    def propose(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
+    def propose_weighted(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
         if draft_logits is not None and prev_draft == tokens[-1]:
-            return SelfDrafter().propose(tokens, draft_logits, prev_draft, num)
-        return super().propose(tokens, draft_logits, prev_draft, num, request_id)
+            return SelfDrafter().propose_weighted(tokens, draft_logits, prev_draft, num)
+        return super().propose_weighted(tokens, draft_logits, prev_draft, num, request_id)
 
 
 DRAFTERS: dict[str, type[Drafter]] = {d.name: d for d in (SelfDrafter, NgramDrafter,

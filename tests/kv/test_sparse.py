@@ -14,6 +14,7 @@ from oasiskv.config import CacheConfig
 from oasiskv.kv.select import (
     block_scores,
     insert_block,
+    mixed_query,
     select_capped_lru,
     select_capped_lru_batch,
     stamp,
@@ -430,3 +431,11 @@ def test_a_reset_mid_block_reloads_the_generated_tokens_from_the_host(tiny_llama
         outs.update({o.request_id: o for o in e.step() if o.finished})
     assert outs["bad"].finish_reason == "error" and e.counters["step_failures"] >= 2
     assert [outs["a"].token_ids, outs["c"].token_ids] == [o.token_ids for o in want]
+
+
+def test_mixed_query_is_the_probability_weighted_mean_of_the_drafts():
+    q = torch.tensor([[[1.0, 0.0]], [[0.0, 2.0]]])  # [m=2, H=1, d=2]
+    assert torch.equal(mixed_query(q, [3.0, 1.0]), torch.tensor([[0.75, 0.5]]))
+    assert torch.equal(mixed_query(q, [0.3, 0.1]), torch.tensor([[0.75, 0.5]]))  # normalised
+    assert torch.equal(mixed_query(q, None), torch.tensor([[0.5, 1.0]]))  # no weights: equal
+    assert torch.equal(mixed_query(q[:1], [0.2]), q[0])  # one draft: its own query

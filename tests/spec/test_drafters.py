@@ -13,6 +13,7 @@ from oasiskv.spec.drafters import (
     SelfDrafter,
     _fill,
     make_drafter,
+    sampling_weights,
 )
 
 
@@ -27,6 +28,17 @@ def test_self_takes_the_draft_rows_argmax_and_top_n():
     d = SelfDrafter()
     assert d.propose([1, 2, 3], logits_favouring(7, 9), prev_draft=4) == [7]
     assert d.propose([1, 2, 3], logits_favouring(7, 9), prev_draft=4, num=2) == [7, 9]
+
+
+def test_drafters_weigh_their_guesses_by_their_probabilities():
+    logits = logits_favouring(7, 9)
+    p = torch.softmax(logits, -1)
+    guesses, probs = SelfDrafter().propose_weighted([1, 2, 3], logits, prev_draft=4, num=2)
+    assert guesses == [7, 9] and probs == pytest.approx([float(p[7]), float(p[9])])
+    assert NgramDrafter().propose_weighted([5, 6, 5], None, None) == ([6], None)  # it has none
+    # resync: the self chain's probabilities while in sync, none after a miss (lookup)
+    assert ResyncDrafter().propose_weighted([4, 5], logits, prev_draft=5)[1] is not None
+    assert ResyncDrafter().propose_weighted([4, 5, 4], logits, prev_draft=7) == ([5], None)
 
 
 def test_self_without_draft_logits_falls_back_to_lookup_then_repetition():
@@ -138,23 +150,36 @@ def test_the_draft_chain_goes_on_from_the_draft_that_was_right(tiny_llama):
     assert llm.stats()["drafts_right"] == 0  # the first draft never was
 
 
-def test_the_lookahead_predicts_with_the_first_draft_alone(tiny_llama):
-    """A second, wrong draft changes nothing the lookahead selects (averaging its query with
-    the first's would): the same tokens and the same traffic as the first draft alone."""
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+def test_the_lookahead_mixes_drafts_by_their_chance_of_being_taken(tiny_llama):
+    """Greedy: the first draft alone predicts, so a second one (the decoy) changes nothing the
+    lookahead selects: the same tokens and traffic as one draft. Sampled: the drafts' mean,
+    weighted by p^(1/T), so a decoy of probability 0 changes nothing, an equally likely one
+    does."""
     prompt = [(7 * i) % 90 + 3 for i in range(100)]  # 6 blocks of 16, K=2: selections matter
-    dense = LLM(str(tiny_llama)).generate([prompt], params, use_tqdm=False)[0].token_ids
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    dense = LLM(str(tiny_llama)).generate([prompt], greedy, use_tqdm=False)[0].token_ids
     decoy = next(t for t in range(5, 100) if t not in dense)
-    runs = []
-    for num in (1, 2):
+
+    def run(params, num, probs):
         llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=2, f_hbm=1.0, num_drafts=num)
-        llm.engine.drafter = KnownAndDecoy(len(prompt), dense, decoy, decoy_first=False)
+        llm.engine.drafter = KnownAndDecoy(len(prompt), dense, decoy, False, probs)
         out = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
         stats = llm.stats()
-        runs.append((out, stats["sparse_hits"], stats["sparse_admitted"],
-                     stats["sparse_h2d_bytes"]))
         assert stats["drafts"] > 0
-    assert runs[0] == runs[1]
+        return out, stats["sparse_hits"], stats["sparse_admitted"], stats["sparse_h2d_bytes"]
+
+    assert run(greedy, 1, None) == run(greedy, 2, None) == run(greedy, 2, [0.5, 0.5])
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    one = run(sampled, 1, None)
+    assert one == run(sampled, 2, [0.9, 0.0]) != run(sampled, 2, [0.5, 0.5])
+
+
+def test_sampling_weights_by_hand():
+    assert sampling_weights([0.6, 0.3, 0.1], 3, 0.0) == [1.0, 0.0, 0.0]  # greedy: the first
+    assert sampling_weights(None, 2, 0.0) == [1.0, 0.0]
+    assert sampling_weights([0.5, 0.25], 2, 0.5) == [1.0, 0.25]  # (p / p_0)^(1/T)
+    assert sampling_weights([0.5, 0.25], 2, 1.0) == [1.0, 0.5]
+    assert sampling_weights(None, 2, 0.7) is None  # no probabilities: equal weights
 
 
 def test_model_drafter_with_the_target_as_its_own_draft_is_always_right(tiny_llama):

@@ -208,6 +208,11 @@ def test_saved_head_drafts_identically_and_incremental_equals_batch(trained, tin
     again = make_drafter(f"eagle:{out}", target=engine.model)
     again.observe("r", 0, feats[:40])
     assert again.propose(tokens[:41], None, None, 1, "r") == [batch_drafts[39]]
+    # with their probabilities under the head (over its draft vocabulary)
+    guesses, probs = again.propose_weighted(tokens[:41], None, None, 2, "r")
+    top = torch.softmax(again.states["r"].logits, -1).topk(2)
+    assert guesses == again.head.d2t[top.indices].tolist() and guesses[0] == batch_drafts[39]
+    assert probs == pytest.approx(top.values.tolist())
 
 
 def test_resync_eagle_chains_while_right_and_asks_the_caught_up_head_after_a_miss(
@@ -254,14 +259,14 @@ def test_engine_drafts_are_the_heads_and_acceptance_keeps_greedy_output(trained,
     llm = LLM(str(tiny_llama), drafter=f"eagle:{out}", speculative="accept")
     drafter = llm.engine.drafter
     proposed: dict[str, dict[int, int]] = {}
-    propose = drafter.propose
+    propose = drafter.propose_weighted
 
     def record(tokens, draft_logits, prev, num=1, request_id=""):
         guess = propose(tokens, draft_logits, prev, num, request_id)
-        proposed.setdefault(request_id, {})[len(tokens)] = guess[0]
+        proposed.setdefault(request_id, {})[len(tokens)] = guess[0][0]
         return guess
 
-    drafter.propose = record
+    drafter.propose_weighted = record
     got = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert llm.stats()["spec_accepted"] > 0
