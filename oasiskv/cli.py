@@ -317,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="keep the prompts' computed K/V here and reuse it in later runs "
                       "(default: a temporary directory)")
     pipe.add_argument("--dtype", default="float32")
+    pipe.add_argument("--summary-dtype", default="auto",
+                      help="block summaries: auto (the KV dtype), float16 or bfloat16 (half "
+                      "the bytes the predict stage reads in a float32 run)")
     pipe.add_argument("--num-threads", type=int, default=None)
     pipe.add_argument("--json", help="write the figures to this file")
     pipe.add_argument("--plot", help="write a bar plot (PNG) of step time per f_hbm and mode")

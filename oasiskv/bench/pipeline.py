@@ -123,7 +123,7 @@ def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
     fractions = parse_f_hbms(args.f_hbm)
     base = {"model": args.model, "kv_mode": "sparse", "top_k": args.top_k,
             "predictor": args.predictor, "drafter": args.drafter, "dtype": args.dtype,
-            "max_num_seqs": args.batch}
+            "summary_dtype": args.summary_dtype, "max_num_seqs": args.batch}
     if args.num_threads:
         base["num_threads"] = args.num_threads
     prefill_engine = LLMEngine(EngineConfig.from_kwargs(**base))
@@ -152,7 +152,8 @@ def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
                          **median_round(runs[mode], [r["step_ms"] for r in runs["frozen"]])})
     elapsed = time.perf_counter() - t_start
     print(f"\n## prefetch pipeline, {args.model}: batch {args.batch} x {args.context} tokens "
-          f"({source}), K={args.top_k}, predictor {args.predictor}, {args.steps} measured "
+          f"({source}), K={args.top_k}, predictor {args.predictor}, {args.dtype} K/V, "
+          f"summaries {args.summary_dtype}, {args.steps} measured "
           f"decode steps after {args.warmup} warm-up; {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}\n")
     print(markdown_table(rows, COLUMNS))
@@ -164,6 +165,7 @@ def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
     write_json(args.json, {"bench": "pipeline", "model": args.model, "context": args.context,
                            "batch": args.batch, "top_k": args.top_k,
                            "predictor": args.predictor, "steps": args.steps,
+                           "dtype": args.dtype, "summary_dtype": args.summary_dtype,
                            "repeats": args.repeats,
                            "threads": torch.get_num_threads(), "prefill_s": prefill_s,
                            "time_s": elapsed, "rows": rows})

@@ -16,9 +16,11 @@ def test_pipeline_bench_runs_every_mode(tmp_path, capsys):
                  "--top-k", "2", "--predictor", "previous", "--f-hbm", "0.5,auto",
                  "--steps", "4", "--warmup", "2", "--json", str(out), "--plot", str(png),
                  "--trace", str(trace), "--repeats", "2",
-                 "--kv-cache-dir", str(tmp_path / "kv")]) == 0
+                 "--kv-cache-dir", str(tmp_path / "kv"), "--summary-dtype", "bfloat16"]) == 0
     assert "x frozen" in capsys.readouterr().out
-    rows = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    assert (data["dtype"], data["summary_dtype"]) == ("float32", "bfloat16")
+    rows = data["rows"]
     assert [(r["f_hbm"], r["mode"]) for r in rows] == [
         (0.5, "frozen"), (0.5, "sync"), (0.5, "async"),
         ("auto", "frozen"), ("auto", "sync"), ("auto", "async")]
