@@ -184,8 +184,9 @@ class CacheConfig:
 
     summary_dtype: str = _field(
         "auto", "sparse: dtype of the block summaries (kmin/kmax). auto: the KV dtype; "
-        "float16 or bfloat16 halve their device memory and the bytes a hand-over sends "
-        "(rounded outward, so that they still bound every key of their block)")
+        "float16 or bfloat16 halve their device memory, the bytes a hand-over sends and what "
+        "scoring reads each step (rounded outward, so that they still bound every key of "
+        "their block)")
     prefault_kv: bool = _field(
         False, "write every page of the KV pools (and summaries) when the engine starts, so "
         "that the first requests do not wait for the OS to map that memory in (on a VM whose "

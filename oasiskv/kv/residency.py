@@ -469,8 +469,8 @@ class SparseKV:
                    if not (self.frozen and all(d.seq.working_set.seeded))]
         if not decodes:
             return
-        # the predicting rows: lookahead, the drafts' (their probability-weighted mean);
-        # previous, the step's own
+        # the predicting rows: lookahead, the drafts' (their mean weighted by each one's
+        # chance of being taken: greedy, the first); previous, the step's own
         rows = [(d.attn.draft_rows if self.cfg.predictor == "lookahead" else []) or
                 [d.attn.q_start] for d in decodes]
         if all(len(r) == 1 for r in rows):  # one gather for the batch (a copy: jobs keep it)
