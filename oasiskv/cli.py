@@ -443,6 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
         fid.add_argument("--forced-drafts", default="known",
                          help="ppl with lookahead: the teacher-forced next token is the draft "
                          "(known) and/or the drafter guesses it (guessed; values to compare)")
+        fid.add_argument("--summary-dtype", default="auto",
+                         help="sparse: block summaries' dtype, values to compare (auto = the "
+                         "KV dtype, float16, bfloat16)")
         fid.add_argument("--sink-blocks", default="0",
                          help="sparse: first blocks always kept (values to compare, e.g. 0,4)")
         fid.add_argument("--recent-blocks", default="0",

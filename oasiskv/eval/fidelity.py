@@ -62,6 +62,7 @@ class Setting:
     block_size: int = DEFAULT_BLOCK_SIZE
     rerank: float = 0.0
     forced_drafts: str = "known"  # ppl with lookahead: the text's next token, or a guess
+    summary_dtype: str = "auto"
 
     @property
     def name(self) -> str:
@@ -73,7 +74,9 @@ class Setting:
         block = "" if self.block_size == DEFAULT_BLOCK_SIZE else f" B={self.block_size}"
         rerank = f" rerank={self.rerank:g}" if self.rerank else ""
         guessed = " guessed drafts" if self.forced_drafts == "guessed" else ""
-        return f"sparse K={self.top_k}{block} {self.predictor}{rerank}{guessed}{pins}{cap}"
+        summaries = "" if self.summary_dtype == "auto" else f" {self.summary_dtype} summaries"
+        return (f"sparse K={self.top_k}{block} {self.predictor}{rerank}{guessed}{pins}{cap}"
+                f"{summaries}")
 
     def engine_kwargs(self) -> dict:
         if self.kv_mode == "dense":
@@ -81,7 +84,7 @@ class Setting:
         return {"kv_mode": "sparse", "predictor": self.predictor, "top_k": self.top_k,
                 "sink_blocks": self.sink_blocks, "recent_blocks": self.recent_blocks,
                 "f_hbm": self.f_hbm, "block_size": self.block_size, "rerank": self.rerank,
-                "forced_drafts": self.forced_drafts}
+                "forced_drafts": self.forced_drafts, "summary_dtype": self.summary_dtype}
 
 
 def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
@@ -90,7 +93,8 @@ def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
                   block_sizes: tuple[int, ...] = (DEFAULT_BLOCK_SIZE,),
                   token_budgets: tuple[int, ...] = (),
                   reranks: tuple[float, ...] = (0.0,),
-                  forced_drafts: tuple[str, ...] = ("known",)) -> list[Setting]:
+                  forced_drafts: tuple[str, ...] = ("known",),
+                  summary_dtypes: tuple[str, ...] = ("auto",)) -> list[Setting]:
     """dense, then every sparse combination. With token budgets, K = budget / B for each block
     size B instead of top_ks: finer blocks at the same resident tokens. Only lookahead drafts,
     so the other predictors take one forced_drafts value."""
@@ -106,11 +110,12 @@ def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
                              f"{uneven[0]} tokens")
     out = [Setting("dense")] if "dense" in kv_modes else []
     if "sparse" in kv_modes:
-        out += [Setting("sparse", p, k, s, r, f, b, c, d) for b in block_sizes
+        out += [Setting("sparse", p, k, s, r, f, b, c, d, u) for b in block_sizes
                 for k in ([t // b for t in token_budgets] or top_ks)
                 for s in sinks for r in recents for f in f_hbms for p in predictors
                 for c in reranks
-                for d in (forced_drafts if p == "lookahead" else forced_drafts[:1])]
+                for d in (forced_drafts if p == "lookahead" else forced_drafts[:1])
+                for u in summary_dtypes]
     return out
 
 
@@ -279,7 +284,8 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
                              parse_list(args.block_size),
                              parse_list(args.token_budget) if args.token_budget else (),
                              parse_list(args.rerank, float),
-                             parse_list(args.forced_drafts, str))
+                             parse_list(args.forced_drafts, str),
+                             parse_list(args.summary_dtype, str))
     if args.samples <= 0:
         raise ValueError(f"--samples must be positive, got {args.samples}")
     base = {"model": args.model, "dtype": args.dtype, "drafter": args.drafter}

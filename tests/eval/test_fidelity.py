@@ -99,7 +99,8 @@ def test_pinned_block_settings_are_their_own_columns():
     assert settings[-1].engine_kwargs() == {"kv_mode": "sparse", "predictor": "exact",
                                             "top_k": 32, "sink_blocks": 4, "recent_blocks": 2,
                                             "f_hbm": 0.05, "block_size": 16, "rerank": 0.0,
-                                            "forced_drafts": "known"}
+                                            "forced_drafts": "known",
+                                            "summary_dtype": "auto"}
 
 
 def test_rerank_settings_are_their_own_columns():
@@ -107,6 +108,13 @@ def test_rerank_settings_are_their_own_columns():
     assert [s.name for s in settings] == ["sparse K=128 lookahead",
                                           "sparse K=128 lookahead rerank=2"]
     assert [s.engine_kwargs()["rerank"] for s in settings] == [0.0, 2.0]
+
+
+def test_summary_dtypes_are_their_own_columns():
+    settings = settings_from(["sparse"], ["lookahead"], [32], summary_dtypes=["auto", "bfloat16"])
+    assert [s.name for s in settings] == ["sparse K=32 lookahead",
+                                          "sparse K=32 lookahead bfloat16 summaries"]
+    assert [s.engine_kwargs()["summary_dtype"] for s in settings] == ["auto", "bfloat16"]
 
 
 def test_guessed_forced_drafts_are_their_own_lookahead_columns():
