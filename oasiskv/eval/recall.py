@@ -3,7 +3,7 @@
 Along the DENSE greedy trajectory of each prompt, every decode step runs with a
 `RecallProbe` (`eval/recall_probe.py`, which defines the figures: the exact sets, each
 predictor's prediction, recall, attention mass, churn) and one draft row per (K, drafter)
-(--num-drafts N: N rows, the drafter's best guesses, whose queries the engine's way mixes);
+(--num-drafts N: N rows, the drafter's best guesses, mixed as the engine mixes them);
 the predictions of step t are scored at step t+1.
 
 Drafters: `self`, `ngram`, `resync` from `spec.drafters` (each gets the logits of its own draft
