@@ -15,7 +15,7 @@ processes x_t at position P = prompt + t and computes, per layer l and KV head g
   block + its own K/V (the working set a sparse engine holds at step t; `--draft-context dense`
   lets it see everything instead: the upper bound), never written to the cache. The top-K of
   its query is the prediction (with several drafts per (K, drafter), their mean weighted as
-  the engine weighs them: `spec.drafters.sampling_weights`, `kv.select.mixed_query`). All
+  the engine weighs them: `spec.drafters.sampling_weights`, `kv.select.mixed_queries`). All
   drafts of a step go in one forward, each seeing only itself among the drafts; x_t itself
   attends densely.
 
@@ -45,7 +45,7 @@ from oasiskv.context import SeqAttention
 from oasiskv.engine.sequence import Sequence
 from oasiskv.eval.metrics import block_mass, captured_mass, churn, membership, recall
 from oasiskv.kv.blocks import is_contiguous
-from oasiskv.kv.select import block_scores, mixed_query, rerank_by_mass, top_k_blocks
+from oasiskv.kv.select import block_scores, mixed_queries, rerank_by_mass, top_k_blocks
 from oasiskv.kv.summaries import summarize
 
 RowKey = tuple[int, str, str]  # (K, predictor, drafter)
@@ -186,7 +186,8 @@ class RecallProbe:
             keys = self.keys(layer, 0, n_next * self.block).unflatten(1, (n_next, self.block))
             heads = torch.arange(keys.shape[0])[:, None]
         for (k, drafter), rows in self.draft_rows.items():
-            query = mixed_query(q[rows], self.draft_weights.get((k, drafter)))  # the engine's
+            # [H, d], mixed as the engine mixes them
+            query = mixed_queries(q[rows][None], [self.draft_weights.get((k, drafter))])[0]
             scores = block_scores(query, kmin, kmax)
             self.pending[layer][(k, "lookahead", drafter)] = top_k_blocks(scores, k)
             if self.rerank:  # candidates [Hkv, c] -> their keys [Hkv, c*B, d]

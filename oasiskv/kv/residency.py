@@ -38,7 +38,7 @@ from oasiskv.config import CRITICAL_PATH, CacheConfig
 from oasiskv.context import SeqAttention
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import is_contiguous
-from oasiskv.kv.select import insert_block, mixed_query
+from oasiskv.kv.select import insert_block, mixed_queries
 from oasiskv.kv.summaries import round_outward, summarize
 from oasiskv.prefetch.executor import InlineExecutor, PrefetchError
 from oasiskv.prefetch.pipeline import PrefetchPipeline
@@ -473,11 +473,12 @@ class SparseKV:
         # chance of being taken: greedy, the first); previous, the step's own
         rows = [(d.attn.draft_rows if self.cfg.predictor == "lookahead" else []) or
                 [d.attn.q_start] for d in decodes]
-        if all(len(r) == 1 for r in rows):  # one gather for the batch (a copy: jobs keep it)
-            queries = q[torch.tensor([r[0] for r in rows], device=q.device)]  # [R, H, d]
+        weights = [d.seq.draft_weights for d in decodes]
+        if len({len(r) for r in rows}) == 1:  # one gather for the batch (a copy: jobs keep it)
+            queries = mixed_queries(q[torch.tensor(rows, device=q.device)], weights)  # [R, H, d]
         else:
-            queries = torch.stack([mixed_query(q[r], d.seq.draft_weights)
-                                   for r, d in zip(rows, decodes, strict=True)])
+            queries = torch.cat([mixed_queries(q[r][None], [w])
+                                 for r, w in zip(rows, weights, strict=True)])
         for d in decodes:
             d.seq.working_set.primed[layer] = True
         if self.remote is not None:  # one layer per job: its remote fetch is that layer's

@@ -91,16 +91,17 @@ def rerank_by_mass(scores: torch.Tensor, q: torch.Tensor, keys_of: Callable[[tor
     return torch.full_like(scores, float("-inf")).scatter_(-1, top.indices, mass)
 
 
-def mixed_query(queries: torch.Tensor, weights: list[float] | None) -> torch.Tensor:
-    """Several drafts' queries [m, H, d] -> one [H, d]: their mean weighted by how likely each
-    draft is to be the next token (`spec.drafters.sampling_weights`; equal weights without),
-    so that the selection covers what the next step may need, likely guesses first."""
-    if len(queries) == 1:
-        return queries[0]
-    if weights is None:
-        return queries.mean(0)
-    w = torch.tensor(weights, dtype=queries.dtype, device=queries.device)
-    return (w[:, None, None] * queries).sum(0) / w.sum()
+def mixed_queries(queries: torch.Tensor, weights: list[list[float] | None]) -> torch.Tensor:
+    """Each request's drafts' queries [R, m, H, d] -> one per request [R, H, d]: their mean
+    weighted by how likely each draft is to be the next token (`spec.drafters.
+    sampling_weights`, one list per request; None: equal weights), so that the selection
+    covers what the next step may need, likely guesses first. One pass for the batch."""
+    if queries.shape[1] == 1:
+        return queries[:, 0]
+    m = queries.shape[1]
+    w = torch.tensor([ws or [1.0] * m for ws in weights], dtype=queries.dtype,
+                     device=queries.device)  # [R, m]
+    return (w[..., None, None] * queries).sum(1) / w.sum(1)[:, None, None]
 
 
 def top_k_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:

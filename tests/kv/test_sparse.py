@@ -14,7 +14,7 @@ from oasiskv.config import CacheConfig
 from oasiskv.kv.select import (
     block_scores,
     insert_block,
-    mixed_query,
+    mixed_queries,
     select_capped_lru,
     select_capped_lru_batch,
     stamp,
@@ -433,9 +433,16 @@ def test_a_reset_mid_block_reloads_the_generated_tokens_from_the_host(tiny_llama
     assert [outs["a"].token_ids, outs["c"].token_ids] == [o.token_ids for o in want]
 
 
-def test_mixed_query_is_the_probability_weighted_mean_of_the_drafts():
+def test_mixed_queries_are_the_probability_weighted_mean_of_the_drafts():
     q = torch.tensor([[[1.0, 0.0]], [[0.0, 2.0]]])  # [m=2, H=1, d=2]
-    assert torch.equal(mixed_query(q, [3.0, 1.0]), torch.tensor([[0.75, 0.5]]))
-    assert torch.equal(mixed_query(q, [0.3, 0.1]), torch.tensor([[0.75, 0.5]]))  # normalised
-    assert torch.equal(mixed_query(q, None), torch.tensor([[0.5, 1.0]]))  # no weights: equal
-    assert torch.equal(mixed_query(q[:1], [0.2]), q[0])  # one draft: its own query
+
+    def mixed(queries, weights):  # one request
+        return mixed_queries(queries[None], [weights])[0]
+
+    assert torch.equal(mixed(q, [3.0, 1.0]), torch.tensor([[0.75, 0.5]]))
+    assert torch.equal(mixed(q, [0.3, 0.1]), torch.tensor([[0.75, 0.5]]))  # normalised
+    assert torch.equal(mixed(q, None), torch.tensor([[0.5, 1.0]]))  # no weights: equal
+    assert torch.equal(mixed(q[:1], [0.2]), q[0])  # one draft: its own query
+    # a batch: each request its own weights, in one pass
+    both = mixed_queries(torch.stack([q, q]), [[3.0, 1.0], None])
+    assert torch.equal(both, torch.tensor([[[0.75, 0.5]], [[0.5, 1.0]]]))
