@@ -32,7 +32,7 @@ from oasiskv.prefetch.pipeline import PrefetchPipeline
 from oasiskv.prefetch.stages import warm_up_scores
 from oasiskv.prefetch.trace import Tracer
 from oasiskv.sampling_params import SamplingParams
-from oasiskv.spec.drafters import make_drafter, sampling_weights
+from oasiskv.spec.drafters import chained_draft, make_drafter, sampling_weights
 
 log = logging.getLogger(__name__)
 
@@ -494,9 +494,7 @@ class LLMEngine:
             # (nor guess others); drafters catch up on skipped tokens
             seq.draft_tokens, seq.draft_weights = [forced], None
             return
-        # the self chain continues from the draft row that guessed right, when one did (with
-        # several drafts, a miss of the first need not break it), else from the first
-        right_row = seq.draft_tokens.index(token) if token in seq.draft_tokens else 0
+        right_row = chained_draft(seq.draft_tokens, token)
         prev = seq.draft_tokens[right_row] if seq.draft_tokens else None
         chain = None if accepted or draft_row is None else draft_row[right_row]
         try:

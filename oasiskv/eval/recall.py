@@ -40,7 +40,7 @@ from oasiskv.data.passages import paragraph_prompt
 from oasiskv.engine.sequence import Sequence
 from oasiskv.eval.recall_probe import RecallProbe, Totals, reranked
 from oasiskv.sampling_params import SamplingParams
-from oasiskv.spec.drafters import Drafter, make_drafter, sampling_weights
+from oasiskv.spec.drafters import Drafter, chained_draft, make_drafter, sampling_weights
 
 # (novel, character offset): each prompt starts at the first paragraph at or after the offset.
 PROMPTS: tuple[tuple[str, int], ...] = (("prideprejudice", 206_230), ("emma", 265_135),
@@ -233,8 +233,7 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
                     totals.any_draft_hits[key] = (totals.any_draft_hits.get(key, 0)
                                                   + (token in tokens))
                     history[f"{key[0]}/{key[1]}"].append(tokens[0])
-                    # the chain goes on from the row that was right (the engine's rule)
-                    right = tokens.index(token) if token in tokens else 0
+                    right = chained_draft(tokens, token)  # the engine's rule
                     last_logits[key], last_draft[key] = draft_logits[key][right], tokens[right]
             if record:
                 recorded.append({"queries": probe.queries,

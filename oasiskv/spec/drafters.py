@@ -55,6 +55,12 @@ class Drafter(ABC):
         """The request ended: drop whatever state the drafter keeps for it."""
 
 
+def chained_draft(drafts: list[int], token: object) -> int:
+    """The draft row the draft chain continues from: the one that guessed `token`, when one
+    did (with several drafts, a miss of the first need not break the chain), else the first."""
+    return drafts.index(token) if token in drafts else 0
+
+
 def top_guesses(logits: torch.Tensor, num: int) -> tuple[list[int], list[float]]:
     """The `num` likeliest tokens of [V] logits and their probabilities."""
     top = torch.topk(torch.softmax(logits.float(), -1), num)
