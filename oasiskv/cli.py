@@ -330,8 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--model", default="smollm2-135m")
     thr.add_argument("--context", default="4096,7168", help="prompt lengths in tokens")
     thr.add_argument("--output-len", type=int, default=64)
-    thr.add_argument("--concurrency", default="1,2,4,8,16,32",
-                     help="requests arriving at once (each level its own unique prompts)")
+    thr.add_argument("--concurrency", default="1,2,4,8,16,32,dense-max",
+                     help="requests arriving at once (the same first prompts at every level); "
+                     "dense-max: per context, the most requests whose whole K/V fits the "
+                     "device budget (the largest concurrency dense can hold)")
     thr.add_argument("--device-kv-budget", default="1GiB")
     thr.add_argument("--host-kv-budget", default="auto",
                      help="sparse: host tier bytes; auto: what the largest level's requests hold")

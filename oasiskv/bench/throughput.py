@@ -8,7 +8,9 @@ the prompt K/V (`add_request(prefix_kv=)`), computes the last prompt token and d
 the budget dense runs fewer requests at a time (the rest wait; none are dropped); a sparse
 request needs one K+2-block slab. Reported per row: TPS (output tokens / wall time from
 arrival to the last token), mean TPOT and TTFT, the mean running batch (requests decoding
-per step), preemptions, and the sparse/dense ratios. With --repeats R every mode (and peer)
+per step), preemptions, and the sparse/dense ratios. The level `dense-max` is, per context,
+the most requests whose whole K/V (prompt + output) fits the budget at once: the largest
+concurrency dense can hold, where the paper compares. With --repeats R every mode (and peer)
 runs R times, one after another in rounds, and the row is its median-TPS run: the machine's
 slow minutes then fall on every mode alike. The roofline column is the time a step
 would take if it only read the bytes it must (weights + the resident KV of the running batch)
@@ -52,6 +54,28 @@ def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
         x.sum()
         best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best
+
+
+DENSE_MAX = "dense-max"  # --concurrency level: the most requests dense holds at that context
+
+
+def dense_capacity(config: EngineConfig, kv_per_token: int, context: int,
+                   output_len: int) -> int:
+    """Requests of `context` + `output_len` tokens whose whole K/V fits the device budget at
+    once (the engine's block pool: budget // block bytes): the most that dense decodes
+    together without queueing or preemption."""
+    block = config.cache.block_size
+    blocks = config.cache.device_kv_budget // (kv_per_token * block)
+    return blocks // -(-(context + output_len) // block)
+
+
+def parse_levels(text: str) -> list[int | str]:
+    """"1,4,dense-max" -> [1, 4, "dense-max"]."""
+    levels = [x.strip() for x in str(text).split(",") if x.strip()]
+    bad = [x for x in levels if x != DENSE_MAX and not (x.isdigit() and int(x) > 0)]
+    if bad or not levels:
+        raise ValueError(f"--concurrency takes positive integers and {DENSE_MAX}, got {text!r}")
+    return [x if x == DENSE_MAX else int(x) for x in levels]
 
 
 def run_mode(kwargs: dict, prompts: list[list[int]], kv_files: list[Path],
@@ -108,7 +132,8 @@ def step_bytes(mode: str, running: float, context: int, kv_per_token: int, weigh
 
 COLUMNS = [("context", "context"), ("concurrency", "conc"), ("mode", "mode"), ("f_hbm", "f_hbm"),
            ("tps", "TPS"), ("tps_range", "TPS runs"), ("tps_ratio", "TPS / dense"),
-           ("vs_hf", "sparse/HF"), ("vs_llamacpp", "sparse/llama.cpp"), ("agreement", "agree"),
+           ("ratio_rounds", "each round"), ("vs_hf", "sparse/HF"),
+           ("vs_llamacpp", "sparse/llama.cpp"), ("agreement", "agree"),
            ("tpot_ms", "TPOT ms"), ("ttft_s", "TTFT s"), ("running", "running"),
            ("preemptions", "preempt"), ("step_ms", "step ms"), ("roofline_ms", "roofline ms"),
            ("bytes_per_step", "fetch B/step"), ("hit_rate", "hit rate")]
@@ -117,8 +142,23 @@ ABLATION = [("context", "context"), ("concurrency", "conc"), ("f_hbm", "f_hbm"),
             ("hit_rate", "hit rate"), ("kept", "predicted kept")]
 
 
+def dense_max_summary(rows: list[dict], context: int, capacity: int, output_len: int,
+                      budget: str) -> str:
+    """One line per context: how many requests dense holds, and the modes at that level."""
+    line = (f"{context}: dense holds {capacity} requests of {context + output_len} tokens under "
+            f"{budget}")
+    level = [r for r in rows if r["context"] == context and r["concurrency"] == capacity]
+    dense = next((r for r in level if r["mode"] == "dense"), None)
+    sparse = next((r for r in level if r["mode"] == "sparse"), None)  # the first f_hbm
+    if dense is not None and sparse is not None:
+        line += (f"; at {capacity} requests sparse/dense TPS {sparse['tps_ratio']:.2f} (each "
+                 f"round {sparse['ratio_rounds']}), TPOT dense / sparse {dense['tpot_ms']:.0f} / "
+                 f"{sparse['tpot_ms']:.0f} ms, running {dense['running']:.1f} / "
+                 f"{sparse['running']:.1f}")
+    return line
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+
+def plot(rows: list[dict], path: str, capacity: dict[int, int], title: str) -> None:
     plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -136,6 +176,10 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         b.plot(xs, [r["running"] for _, r in pts], style, label=label)
     for ax, label in ((a, "output tokens / s (bars: min-max of the runs)"),
                       (b, "mean running batch")):
+        for context, n in capacity.items():  # where the paper compares
+            ax.axvline(n, color="gray", linestyle=":", linewidth=1)
+            ax.annotate(f"dense holds {n} ({context})", (n, 1), xycoords=("data", "axes fraction"),
+                        rotation=90, va="top", ha="right", fontsize=7, color="gray")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency (requests arriving at once)")
         ax.set_ylabel(label)
@@ -149,7 +193,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     t_start = time.perf_counter()
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
-    contexts, levels = parse_list(args.context), parse_list(args.concurrency)
+    contexts, levels = parse_list(args.context), parse_levels(args.concurrency)
     modes, f_hbms = parse_list(args.kv_mode, str), parse_list(args.f_hbm, str)
     peers = parse_peers(args.peer, args.model)
     prefill = LLMEngine(EngineConfig.from_kwargs(model=args.model, dtype=args.dtype,
@@ -157,13 +201,25 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     mc = prefill.model_config
     kv_per_token = mc.kv_bytes_per_token(prefill.config.torch_dtype)
     host_budget = args.host_kv_budget
-    if host_budget == "auto":  # the largest level's histories, with a tenth to spare
-        block = prefill.config.cache.block_size
-        blocks = -(-(max(contexts) + args.output_len) // block) + 1
-        host_budget = int(1.1 * max(levels) * blocks * block * kv_per_token)
     # the pools' pages mapped before the clock starts, as llama.cpp's and HF's caches are
     base = {"model": args.model, "dtype": args.dtype, "device_kv_budget": args.device_kv_budget,
-            "max_num_seqs": max(levels), "prefault_kv": True}
+            "prefault_kv": True}
+    dense_config = EngineConfig.from_kwargs(**base, kv_mode="dense")
+    capacity = {c: dense_capacity(dense_config, kv_per_token, c, args.output_len)
+                for c in contexts}
+    if DENSE_MAX in levels and min(capacity.values()) == 0:
+        context = min(capacity, key=capacity.get)
+        raise ValueError(f"--device-kv-budget {args.device_kv_budget} holds no dense request of "
+                         f"{context} + {args.output_len} tokens, so {DENSE_MAX} is 0")
+    # each context's levels, dense-max resolved, ascending and without repeats
+    context_levels = {c: sorted({capacity[c] if x == DENSE_MAX else x for x in levels})
+                      for c in contexts}
+    base["max_num_seqs"] = max(max(v) for v in context_levels.values())
+    if host_budget == "auto":  # the largest level's histories, with a tenth to spare
+        block = prefill.config.cache.block_size
+        host_budget = int(1.1 * max(
+            max(context_levels[c]) * (-(-(c + args.output_len) // block) + 1) for c in contexts)
+            * block * kv_per_token)
     if args.num_threads:
         base["num_threads"] = args.num_threads
     runs = [("dense", {"kv_mode": "dense"})] if "dense" in modes else []
@@ -185,7 +241,8 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="oasiskv-bench-") as tmp:
         cache_dir = Path(args.kv_cache_dir or tmp)
         for context in contexts:
-            prompts, source = unique_prompts(prefill.tokenizer, max(levels), context)
+            prompts, source = unique_prompts(prefill.tokenizer, max(context_levels[context]),
+                                             context)
             files, prefill_s[context] = prefix_kv_files(
                 prefill, prompts, cache_dir, f"prefill {context}")
             llamacpp = None
@@ -193,7 +250,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                 llamacpp = LlamaCppPeer(gguf, prompts, args.output_len,
                                         torch.get_num_threads(), cache_dir)
                 peer_prefill_s[context] = llamacpp.prefill_s
-            for c in levels:
+            for c in context_levels[context]:
                 tries: dict[tuple[str, str | None], list[dict]] = {}
                 for _ in range(args.repeats):  # every mode once per round, in turn
                     for mode, kw in runs:
@@ -210,7 +267,8 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                 level = [median_run(t) for t in tries.values()]
                 by_mode = {r["mode"]: r for r in level}  # sparse: the first f_hbm
                 for r in level:
-                    r.update(context=context, concurrency=c, text=source)
+                    r.update(context=context, concurrency=c, text=source,
+                             dense_capacity=capacity[context])
                     mode_weights, mode_kv = reads.get(r["mode"], (weights, kv_per_token))
                     r["roofline_ms"] = 1e3 * step_bytes(r["mode"], r["running"], context,
                                                         mode_kv, mode_weights,
@@ -218,6 +276,9 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                     if "dense" in by_mode and r["mode"] != "dense":
                         r["tps_ratio"] = r["tps"] / by_mode["dense"]["tps"]
                         r["agreement"] = agreement(r["tokens"], by_mode["dense"]["tokens"])
+                        r["tps_ratio_rounds"] = [a / b for a, b in zip(
+                            r["tps_runs"], by_mode["dense"]["tps_runs"], strict=True)]
+                        r["ratio_rounds"] = ", ".join(f"{x:.2f}" for x in r["tps_ratio_rounds"])
                     if r["mode"] == "sparse":
                         for peer in peers:
                             r[f"vs_{peer}"] = r["tps"] / by_mode[peer]["tps"]
@@ -236,6 +297,10 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
           f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s\n")
     print(markdown_table(rows, COLUMNS))
+    print()
+    for context in contexts:
+        print(dense_max_summary(rows, context, capacity[context], args.output_len,
+                                args.device_kv_budget))
     if len(f_hbms) > 1:
         print("\n### f_hbm ablation (sparse rows)\n")
         print(markdown_table([r for r in rows if r["mode"] == "sparse"], ABLATION))
@@ -252,11 +317,12 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     write_json(args.json, {"bench": "throughput", "model": args.model,
                            "device_kv_budget": args.device_kv_budget, "top_k": args.top_k,
                            "f_hbm": f_hbms, "output_len": args.output_len, "peers": peers,
+                           "dense_capacity": capacity,
                            "repeats": args.repeats,
                            "bandwidth": bandwidth, "prefill_s": prefill_s,
                            "llamacpp_prefill_s": peer_prefill_s,
                            "threads": torch.get_num_threads(), "time_s": elapsed, "rows": rows})
     if args.plot:
-        plot(rows, args.plot, f"{args.model} {args.dtype}: dense vs sparse, "
+        plot(rows, args.plot, capacity, f"{args.model} {args.dtype}: dense vs sparse, "
                               f"budget {args.device_kv_budget}")
     return rows

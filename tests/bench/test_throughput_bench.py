@@ -1,4 +1,4 @@
-"""`oasiskv bench throughput` on a tiny model: under a budget for about two dense requests,
+"""`oasiskv bench throughput` on a tiny model: under a budget for one dense request at a time,
 dense runs fewer at a time than sparse, nothing fails, every mode produces every token; the
 HF peer decodes from the same prompt K/V and agrees with dense; several f_hbm values give an
 ablation whose fetch traffic grows with the cap; repeated rounds report the median run."""
@@ -13,7 +13,7 @@ from oasiskv.cli import main
 def test_throughput_bench_dense_vs_sparse(tmp_path, capsys):
     model = build_model_dir(tmp_path / "m", num_hidden_layers=2, max_position_embeddings=1024)
     out, png = tmp_path / "t.json", tmp_path / "t.png"
-    # 256 B per token: a dense request (308 tokens) needs 20 blocks of 4 KiB, 2 fit in 42
+    # 512 B per token: a dense request (308 tokens) needs 20 blocks of 8 KiB; 21 fit: one at a time
     assert main(["bench", "throughput", "--model", str(model), "--context", "300",
                  "--concurrency", "1,6", "--output-len", "8", "--device-kv-budget", "170KiB",
                  "--top-k", "2", "--f-hbm", "0.5,1.0", "--peer", "hf", "--repeats", "3",
@@ -43,6 +43,41 @@ def test_throughput_bench_dense_vs_sparse(tmp_path, capsys):
     assert rows[(6, "dense")]["ttft_s"] > rows[(1, "dense")]["ttft_s"]  # later ones waited
     assert "tps_ratio" in rows[(6, "sparse")] and rows[(1, "dense")]["roofline_ms"] > 0
     assert png.stat().st_size > 0
+
+
+def test_dense_max_is_the_most_requests_dense_holds(tmp_path, capsys):
+    model = build_model_dir(tmp_path / "m", num_hidden_layers=2, max_position_embeddings=1024)
+    out = tmp_path / "t.json"
+    # 512 B per token, blocks of 16 tokens (8 KiB): 40 blocks; a request of 300 + 4 tokens
+    # needs 19, so 2 fit and a third does not
+    assert main(["bench", "throughput", "--model", str(model), "--context", "300",
+                 "--concurrency", "dense-max,3,1", "--output-len", "4", "--device-kv-budget",
+                 "320KiB", "--top-k", "2", "--repeats", "2", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["dense_capacity"] == {"300": 2}
+    rows = {(r["concurrency"], r["mode"]): r for r in result["rows"]}
+    assert sorted({c for c, _ in rows}) == [1, 2, 3]
+    at_max, over = rows[(2, "dense")], rows[(3, "dense")]
+    assert at_max["running"] == 2.0 and at_max["preemptions"] == 0  # all held at once
+    assert over["running"] < 3  # one more than it holds: the third waits
+    sparse = rows[(2, "sparse")]
+    assert sparse["tps_ratio_rounds"] == [a / b for a, b in zip(
+        sparse["tps_runs"], at_max["tps_runs"], strict=True)]
+    assert (f"300: dense holds 2 requests of 304 tokens under 320KiB; at 2 requests "
+            f"sparse/dense TPS {sparse['tps_ratio']:.2f} (each round {sparse['ratio_rounds']})"
+            in printed)
+
+
+def test_bad_concurrency_levels_fail_first(tmp_path, capsys):
+    model = build_model_dir(tmp_path / "m", num_hidden_layers=2, max_position_embeddings=1024)
+    assert main(["bench", "throughput", "--model", str(model), "--concurrency", "2,0"]) == 2
+    assert "--concurrency takes positive integers and dense-max, got '2,0'" in (
+        capsys.readouterr().err)
+    assert main(["bench", "throughput", "--model", str(model), "--context", "300",
+                 "--concurrency", "dense-max", "--device-kv-budget", "128KiB"]) == 2
+    assert "--device-kv-budget 128KiB holds no dense request of 300 + 64 tokens" in (
+        capsys.readouterr().err)
 
 
 def test_prompt_kv_is_cached_across_runs(tmp_path):
