@@ -25,6 +25,9 @@ class SeqAttention:
     kv_start: int | None  # first token slot when they are one contiguous run
     kv_slots: torch.Tensor | None  # [kv_len] token slots otherwise (gather path)
     pool: str = "device"  # "device" or "host" (sparse prefill reads the host tier)
+    # a fragmented table of a few runs of blocks: (first token slot, tokens) per run, in order
+    # (kv_start and kv_slots are None); decode reads each run in place
+    kv_runs: list[tuple[int, int]] | None = None
     kv_valid: torch.Tensor | None = None  # [Hkv, kv_len] sparse working set: which slots hold KV
     # Draft tokens (decode only): rows of the batch whose queries ride along with the normal
     # token. Each sees the KV the normal token sees (masked by draft_valid, default kv_valid)

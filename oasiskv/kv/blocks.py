@@ -115,6 +115,16 @@ def is_contiguous(table: list[int]) -> bool:
                          and all(b - a == 1 for a, b in zip(table, table[1:], strict=False)))
 
 
+def block_runs(table: list[int]) -> list[tuple[int, int]]:
+    """(first block, length) of each run of consecutive blocks of `table`, in order."""
+    if not table:
+        return []
+    blocks = np.asarray(table)
+    breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
+    starts, ends = np.concatenate(([0], breaks)), np.concatenate((breaks, [len(blocks)]))
+    return [(int(blocks[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+
+
 class KVAllocator:
     """How many blocks of each tier a request holds for a number of tokens.
 

@@ -90,15 +90,26 @@ class Attention(nn.Module):
             ctx.sparse.after_attention(self.layer_idx, q)
         return out
 
+    def _kv_parts(self, seq: SeqAttention, k_new: torch.Tensor,
+                  v_new: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The K/V attended, [Hkv, t, d] each: views of the pool, one per run of slots (one
+        for a contiguous table); the new rows when they are the whole context; one gathered
+        copy for a table of many runs."""
+        if seq.kv_len == seq.num_queries:  # whole context is new: use it as computed
+            return [k_new.transpose(0, 1)], [v_new.transpose(0, 1)]
+        k_cache, v_cache = self.pools[seq.pool]
+        if seq.kv_slots is not None:
+            return [k_cache.index_select(1, seq.kv_slots)], [v_cache.index_select(1, seq.kv_slots)]
+        runs = seq.kv_runs or [(seq.kv_start, seq.kv_len)]
+        return [k_cache[:, s:s + t] for s, t in runs], [v_cache[:, s:s + t] for s, t in runs]
+
     def _kv(self, seq: SeqAttention, k_new: torch.Tensor,
             v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if seq.kv_len == seq.num_queries:  # whole context is new: use it as computed
-            return k_new.transpose(0, 1), v_new.transpose(0, 1)
-        k_cache, v_cache = self.pools[seq.pool]
-        if seq.kv_start is not None:
-            end = seq.kv_start + seq.kv_len
-            return k_cache[:, seq.kv_start:end], v_cache[:, seq.kv_start:end]
-        return k_cache.index_select(1, seq.kv_slots), v_cache.index_select(1, seq.kv_slots)
+        """The K/V attended as one tensor each, [Hkv, T, d] (runs joined by a copy)."""
+        keys, values = self._kv_parts(seq, k_new, v_new)
+        if len(keys) == 1:
+            return keys[0], values[0]
+        return torch.cat(keys, 1), torch.cat(values, 1)
 
     def _attend_with_drafts(self, q: torch.Tensor, seq: SeqAttention, k_new: torch.Tensor,
                             v_new: torch.Tensor) -> torch.Tensor:
@@ -164,18 +175,25 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, seq: SeqAttention, k_new: torch.Tensor,
                 v_new: torch.Tensor) -> torch.Tensor:
-        k, v = self._kv(seq, k_new, v_new)  # [Hkv, T, d]
         n = q.shape[0]
         if n == 1:
             # Decode: the G query heads of a KV head share its keys -> one batched matmul per
-            # KV head, no repeat of K/V. The keys are the long side of the product ([T, d] x
-            # [d, G]): on CPU 10 % faster per dense decode step than [G, d] x [d, T].
+            # KV head (and run of slots), no repeat of K/V. The keys are the long side of the
+            # product ([T, d] x [d, G]): on CPU 10 % faster per dense decode step than
+            # [G, d] x [d, T].
+            keys, values = self._kv_parts(seq, k_new, v_new)
             qg = q.view(self.num_kv_heads, self.group, self.head_dim)  # [Hkv, G, d]
-            scores = torch.matmul(k, qg.transpose(1, 2)).float()  # [Hkv, T, G]
+            parts = [torch.matmul(k, qg.transpose(1, 2)) for k in keys]  # [Hkv, t, G] each
+            scores = (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).float()
             if seq.kv_valid is not None:
                 scores.masked_fill_(~seq.kv_valid[:, :, None], float("-inf"))
-            probs = torch.softmax(scores.mul_(self.scale), dim=1).to(q.dtype)
-            return torch.matmul(probs.transpose(1, 2), v).reshape(1, -1)  # [1, H*d]
+            probs = torch.softmax(scores.mul_(self.scale), dim=1).to(q.dtype).transpose(1, 2)
+            out, start = None, 0
+            for v in values:  # [Hkv, G, t] x [Hkv, t, d], summed over the runs
+                part = torch.matmul(probs[..., start:start + v.shape[1]], v)
+                out, start = (part if out is None else out.add_(part)), start + v.shape[1]
+            return out.reshape(1, -1)  # [1, H*d]
+        k, v = self._kv(seq, k_new, v_new)  # [Hkv, T, d]
         # Prefill chunk: queries are the last n positions of the context (causal, aligned to
         # the bottom-right, which SDPA's is_causal is not when n < T).
         t = seq.kv_len

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oasiskv.kv.blocks import BlockPool, is_contiguous
+from oasiskv.kv.blocks import BlockPool, block_runs, is_contiguous
 
 NUM_TABLES = 5
 
@@ -119,6 +119,11 @@ def test_fragmented_pool_still_allocates_every_block():
     pool.grow(big, 4)
     assert sorted(big) == [0, 2, 4, 6] and not is_contiguous(big)
     assert pool.num_free == 0
+
+
+def test_block_runs_by_hand():
+    assert block_runs([3, 4, 5, 9, 10, 2]) == [(3, 3), (9, 2), (2, 1)]
+    assert block_runs([7]) == [(7, 1)] and block_runs([]) == []
 
 
 def test_sparse_slabs_sit_side_by_side_and_summaries_at_the_top():

@@ -6,6 +6,7 @@ import transformers
 from conftest import build_model_dir
 
 from oasiskv.config import ModelConfig
+from oasiskv.engine import runner as runner_module
 from oasiskv.engine.runner import ModelRunner, allocate_kv
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import BlockPool, is_contiguous
@@ -67,7 +68,11 @@ def test_prefill_and_decode_logits_match_transformers(tmp_path, case):
     torch.testing.assert_close(prefill_then_decode, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_chunked_and_fragmented_kv_match_transformers(tmp_path):
+@pytest.mark.parametrize("max_runs", [runner_module.MAX_KV_RUNS, 0])  # run by run; gathered
+def test_chunked_and_fragmented_kv_match_transformers(tmp_path, monkeypatch, max_runs):
+    monkeypatch.setattr(runner_module, "MAX_KV_RUNS", max_runs)
+    views, view = [], ModelRunner._view
+    monkeypatch.setattr(ModelRunner, "_view", lambda *a: views.append(view(*a)) or views[-1])
     model, hf = ours_and_hf(tmp_path, "qwen2")
     tokens = torch.randint(0, model.config.vocab_size, (100,)).tolist()
     with torch.no_grad():
@@ -75,6 +80,9 @@ def test_chunked_and_fragmented_kv_match_transformers(tmp_path):
     got, table = run_chunks(model, tokens, [33, 17, 40, 1, 1, 8], scatter=True)
     assert not is_contiguous(table)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    decodes = [v for v in views if v.num_queries == 1]
+    assert len(decodes) == 2 and all((len(v.kv_runs or []) > 1) == (max_runs > 0)
+                                     and (v.kv_slots is None) == (max_runs > 0) for v in decodes)
 
 
 def test_hf_incremental_decode_with_cache_agrees(tmp_path):
