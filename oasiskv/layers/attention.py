@@ -178,16 +178,19 @@ class Attention(nn.Module):
         n = q.shape[0]
         if n == 1:
             # Decode: the G query heads of a KV head share its keys -> one batched matmul per
-            # KV head (and run of slots), no repeat of K/V. The keys are the long side of the
-            # product ([T, d] x [d, G]): on CPU 10 % faster per dense decode step than
-            # [G, d] x [d, T].
+            # KV head (and run of slots), no repeat of K/V.
             keys, values = self._kv_parts(seq, k_new, v_new)
             qg = q.view(self.num_kv_heads, self.group, self.head_dim)  # [Hkv, G, d]
-            parts = [torch.matmul(k, qg.transpose(1, 2)) for k in keys]  # [Hkv, t, G] each
-            scores = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+            if q.dtype == torch.float32:  # [G, d] x [d, t]: in fp32 1.3x faster on CPU
+                parts = [torch.matmul(qg, k.transpose(1, 2)) for k in keys]  # [Hkv, G, t]
+                scores = parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+            else:  # in bf16 the keys as the long side, [t, d] x [d, G], are 3x faster
+                parts = [torch.matmul(k, qg.transpose(1, 2)) for k in keys]  # [Hkv, t, G]
+                scores = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+                scores = scores.transpose(1, 2).contiguous()
             # [Hkv, G, T]: a softmax over the last, contiguous dim is 2.5x faster here than
             # over dim 1 of [Hkv, T, G] (at 7K tokens in bf16, 65 against 180 us)
-            scores = scores.transpose(1, 2).contiguous().float()
+            scores = scores.float()
             if seq.kv_valid is not None:
                 scores.masked_fill_(~seq.kv_valid[:, None, :], float("-inf"))
             probs = torch.softmax(scores.mul_(self.scale), dim=-1).to(q.dtype)
