@@ -178,8 +178,9 @@ def plot(rows: list[dict], path: str, capacity: dict[int, int], title: str) -> N
                       (b, "mean running batch")):
         for context, n in capacity.items():  # where the paper compares
             ax.axvline(n, color="gray", linestyle=":", linewidth=1)
-            ax.annotate(f"dense holds {n} ({context})", (n, 1), xycoords=("data", "axes fraction"),
-                        rotation=90, va="top", ha="right", fontsize=7, color="gray")
+            ax.annotate(f"dense holds {n} ({context})", (n, 0.02),
+                        xycoords=("data", "axes fraction"), rotation=90, va="bottom", ha="right",
+                        fontsize=7, color="gray")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency (requests arriving at once)")
         ax.set_ylabel(label)
