@@ -318,8 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "(default: a temporary directory)")
     pipe.add_argument("--dtype", default="float32")
     pipe.add_argument("--summary-dtype", default="auto",
-                      help="block summaries: auto (the KV dtype), float16 or bfloat16 (half "
-                      "the bytes the predict stage reads in a float32 run)")
+                      help="block summaries: auto (bfloat16 for float32 K/V, else the KV "
+                      "dtype), float32, float16 or bfloat16 (half the bytes the predict stage "
+                      "reads in a float32 run)")
     pipe.add_argument("--num-threads", type=int, default=None)
     pipe.add_argument("--json", help="write the figures to this file")
     pipe.add_argument("--plot", help="write a bar plot (PNG) of step time per f_hbm and mode")
@@ -375,8 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep the prompts' computed K/V here and reuse it in later runs")
     pd.add_argument("--dtype", default="float32")
     pd.add_argument("--summary-dtype", default="auto",
-                    help="block summaries: auto (the KV dtype), float16 or bfloat16 (half the "
-                    "bytes a hand-over sends for them)")
+                    help="block summaries: auto (bfloat16 for float32 K/V, else the KV dtype), "
+                    "float32, float16 or bfloat16 (half the bytes a hand-over sends for them)")
     pd.add_argument("--num-threads", type=int, default=None)
     pd.add_argument("--json", help="write the figures to this file")
     pd.add_argument("--plot", help="write the store-read bandwidth timeline (PNG)")
@@ -446,8 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="ppl with lookahead: the teacher-forced next token is the draft "
                          "(known) and/or the drafter guesses it (guessed; values to compare)")
         fid.add_argument("--summary-dtype", default="auto",
-                         help="sparse: block summaries' dtype, values to compare (auto = the "
-                         "KV dtype, float16, bfloat16)")
+                         help="sparse: block summaries' dtype, values to compare (auto = "
+                         "bfloat16 for float32 K/V, else the KV dtype; float32, float16, "
+                         "bfloat16)")
         fid.add_argument("--sink-blocks", default="0",
                          help="sparse: first blocks always kept (values to compare, e.g. 0,4)")
         fid.add_argument("--recent-blocks", default="0",

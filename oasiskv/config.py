@@ -183,10 +183,10 @@ class CacheConfig:
         "blocks, and fetches evicted ones again from the store")
 
     summary_dtype: str = _field(
-        "auto", "sparse: dtype of the block summaries (kmin/kmax). auto: the KV dtype; "
-        "float16 or bfloat16 halve their device memory, the bytes a hand-over sends and what "
-        "scoring reads each step (rounded outward, so that they still bound every key of "
-        "their block)")
+        "auto", "sparse: dtype of the block summaries (kmin/kmax). auto: bfloat16 for float32 "
+        "K/V, else the KV dtype; float16 or bfloat16 halve their device memory, the bytes a "
+        "hand-over sends and what scoring reads each step (rounded outward, so that they still "
+        "bound every key of their block; no measured loss of accuracy against float32 ones)")
     prefault_kv: bool = _field(
         False, "write every page of the KV pools (and summaries) when the engine starts, so "
         "that the first requests do not wait for the OS to map that memory in (on a VM whose "
@@ -262,7 +262,11 @@ class CacheConfig:
                              "blocks from: set remote_store (inprocess or mooncake://HOST:PORT)")
 
     def summary_torch_dtype(self, kv_dtype: torch.dtype) -> torch.dtype:
-        return kv_dtype if self.summary_dtype == "auto" else _DTYPES[self.summary_dtype]
+        if self.summary_dtype != "auto":
+            return _DTYPES[self.summary_dtype]
+        # float32 summaries double what scoring reads for bounds that bf16 ones, rounded
+        # outward, keep as well (fidelity at 4K and 7K tokens: no measured difference)
+        return torch.bfloat16 if kv_dtype == torch.float32 else kv_dtype
 
     @property
     def slab_blocks(self) -> int:

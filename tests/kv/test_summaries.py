@@ -38,13 +38,31 @@ def test_same_dtype_is_exact():
     assert torch.equal(lo, kmin) and torch.equal(hi, kmax)
 
 
+@pytest.mark.parametrize(("kv_dtype", "want"), [(torch.float32, torch.bfloat16),
+                                                 (torch.bfloat16, torch.bfloat16),
+                                                 (torch.float16, torch.float16)])
+def test_auto_summaries_are_bfloat16_for_float32_kv_else_the_kv_dtype(kv_dtype, want):
+    from oasiskv.config import CacheConfig
+
+    assert CacheConfig().summary_torch_dtype(kv_dtype) == want
+    assert CacheConfig(summary_dtype="float32").summary_torch_dtype(kv_dtype) == torch.float32
+
+
+def test_engine_default_keeps_bfloat16_summaries_of_float32_kv(tiny_llama):
+    from oasiskv import LLM
+
+    llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=2)
+    assert llm.engine.config.dtype == "float32" and llm.engine.sparse.kmin.dtype == torch.bfloat16
+    llm.close()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_engine_stores_rounded_summaries_and_pays_half_their_device_blocks(tiny_llama, dtype):
     from oasiskv import LLM, SamplingParams
 
     kw = dict(kv_mode="sparse", top_k=2, device_kv_budget="4MiB", host_kv_budget="4MiB")
     llm = LLM(str(tiny_llama), summary_dtype=dtype, **kw)
-    full = LLM(str(tiny_llama), **kw)
+    full = LLM(str(tiny_llama), summary_dtype="float32", **kw)
     tokens = 4096  # 256 blocks: 16 device blocks of fp32 summaries, 8 of half ones
     slab = llm.engine.config.cache.slab_blocks  # top_k + 2
     assert full.engine.kv.device_blocks_for(tokens) - slab == 16

@@ -8,6 +8,7 @@ import torch
 from oasiskv import LLM, SamplingParams
 from oasiskv.config import CacheConfig
 from oasiskv.kv.blocks import BlockPool
+from oasiskv.kv.summaries import round_outward
 from oasiskv.prefetch.stages import SelectJob
 
 PARAMS = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -110,12 +111,15 @@ def test_oracle_working_sets_are_the_true_top_k_by_attention_mass(tiny_llama, mo
     assert max(c[-1] for c in checked) > top_k  # selection had a choice to make
 
 
-def quest_order(q: torch.Tensor, keys: torch.Tensor, B: int) -> torch.Tensor:
+def quest_order(q: torch.Tensor, keys: torch.Tensor, B: int,
+                summary_dtype: torch.dtype) -> torch.Tensor:
     """Hand-computed Quest ranking: per KV head, blocks by the sum over the group's query
-    heads of sum_d max(q*kmin, q*kmax), best first. [Hkv, n]."""
+    heads of sum_d max(q*kmin, q*kmax) (the summaries rounded outward to the engine's
+    dtype), best first. [Hkv, n]."""
     hkv, t, d = keys.shape
     blocks = keys.view(hkv, t // B, B, d)
-    kmin, kmax = blocks.amin(2), blocks.amax(2)  # [Hkv, n, d]
+    kmin, kmax = (s.float() for s in round_outward(blocks.amin(2), blocks.amax(2),
+                                                   summary_dtype))  # [Hkv, n, d]
     qg = q.view(hkv, -1, 1, d)  # [Hkv, G, 1, d]
     score = torch.maximum(qg * kmin[:, None], qg * kmax[:, None]).sum((1, 3))  # [Hkv, n]
     return score.argsort(dim=-1, descending=True)
@@ -134,7 +138,7 @@ def test_rerank_keeps_the_candidates_with_the_most_attention_mass(tiny_llama, mo
     def verify(held, q, keys, scale):
         hkv, t, d = keys.shape
         n = t // B
-        order = quest_order(q, keys, B).tolist()
+        order = quest_order(q, keys, B, llm.engine.sparse.kmin.dtype).tolist()
         pins = list(range(min(sink, n)))
         ok = []
         for g in range(hkv):  # pinned blocks take candidate places first
