@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from oasiskv.config import CacheConfig
 from oasiskv.models.registry import resolve_model
 
 log = logging.getLogger(__name__)
@@ -20,6 +21,14 @@ log = logging.getLogger(__name__)
 
 def parse_list(text: str, kind: type = int) -> list:
     return [kind(x) for x in str(text).split(",") if x.strip()]
+
+
+def summary_label(summary_dtype: str, dtype: str) -> str:
+    """The summaries' dtype as asked and, for auto, as an engine with `dtype` K/V keeps them:
+    "auto (bfloat16)"."""
+    kept = CacheConfig(summary_dtype=summary_dtype).summary_torch_dtype(getattr(torch, dtype))
+    name = str(kept).removeprefix("torch.")
+    return name if name == summary_dtype else f"{summary_dtype} ({name})"
 
 
 def parse_f_hbms(text: str) -> list[float | str]:

@@ -28,6 +28,7 @@ from oasiskv.bench.common import (
     prefix_kv_files,
     pyplot,
     save_figure,
+    summary_label,
     unique_prompts,
     write_json,
 )
@@ -167,7 +168,8 @@ def run_pd_bench(args: argparse.Namespace) -> list[dict]:
     elapsed = time.perf_counter() - t_start
     store = args.remote_store or "inprocess (one node)"
     print(f"\n## prefill-decode disaggregation, {args.model}: K={args.top_k}, f_hbm "
-          f"{args.f_hbm}, summaries {args.summary_dtype}, {args.requests} requests at once, "
+          f"{args.f_hbm}, summaries {summary_label(args.summary_dtype, args.dtype)}, "
+          f"{args.requests} requests at once, "
           f"{args.output_len} greedy tokens each; store {store}; "
           f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}\n")
     print(markdown_table(rows, REQUESTS))

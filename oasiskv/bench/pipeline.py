@@ -32,6 +32,7 @@ from oasiskv.bench.common import (
     prefix_kv_files,
     pyplot,
     save_figure,
+    summary_label,
     unique_prompts,
     write_json,
 )
@@ -153,7 +154,7 @@ def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
     elapsed = time.perf_counter() - t_start
     print(f"\n## prefetch pipeline, {args.model}: batch {args.batch} x {args.context} tokens "
           f"({source}), K={args.top_k}, predictor {args.predictor}, {args.dtype} K/V, "
-          f"summaries {args.summary_dtype}, {args.steps} measured "
+          f"summaries {summary_label(args.summary_dtype, args.dtype)}, {args.steps} measured "
           f"decode steps after {args.warmup} warm-up; {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}\n")
     print(markdown_table(rows, COLUMNS))

@@ -6,6 +6,7 @@ import statistics
 
 from conftest import build_model_dir
 
+from oasiskv.bench.common import summary_label
 from oasiskv.cli import main
 
 
@@ -17,7 +18,8 @@ def test_pipeline_bench_runs_every_mode(tmp_path, capsys):
                  "--steps", "4", "--warmup", "2", "--json", str(out), "--plot", str(png),
                  "--trace", str(trace), "--repeats", "2",
                  "--kv-cache-dir", str(tmp_path / "kv"), "--summary-dtype", "bfloat16"]) == 0
-    assert "x frozen" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "x frozen" in printed and "float32 K/V, summaries bfloat16," in printed
     data = json.loads(out.read_text())
     assert (data["dtype"], data["summary_dtype"]) == ("float32", "bfloat16")
     rows = data["rows"]
@@ -39,3 +41,9 @@ def test_pipeline_bench_runs_every_mode(tmp_path, capsys):
     names = {e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"]
              if e["name"] == "thread_name"}
     assert "foreground" in names and "select" in names
+
+
+def test_summary_label_names_what_auto_keeps():
+    assert summary_label("auto", "float32") == "auto (bfloat16)"
+    assert summary_label("auto", "float16") == "auto (float16)"
+    assert summary_label("float32", "float32") == "float32"
