@@ -69,9 +69,9 @@ class ModelRunner:
     def _view(self, table: list[int], row: int, n: int, kv_len: int,
               pool: str) -> SeqAttention:
         B = self.block_size
-        if is_contiguous(table):
-            return SeqAttention(row, row + n, kv_len, table[0] * B, None, pool)
-        runs = block_runs(table[:-(-kv_len // B)])  # [(first block, blocks)]
+        runs = block_runs(table[:-(-kv_len // B)])  # [(first block, blocks)] holding kv_len
+        if len(runs) == 1:  # one run of slots: a view of the pool
+            return SeqAttention(row, row + n, kv_len, runs[0][0] * B, None, pool)
         if len(runs) <= MAX_KV_RUNS:  # a full pool's usual case: read in place, run by run
             kv_runs, left = [], kv_len
             for first, blocks in runs:
