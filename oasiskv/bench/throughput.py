@@ -266,7 +266,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                         tries.setdefault(("llamacpp", None), []).append(
                             llamacpp.generate(c, args.output_len) | {"mode": "llamacpp"})
                 level = [median_run(t) for t in tries.values()]
-                by_mode = {r["mode"]: r for r in level}  # sparse: the first f_hbm
+                by_mode = {r["mode"]: r for r in level}  # dense and peers (sparse: its last f_hbm)
                 for r in level:
                     r.update(context=context, concurrency=c, text=source,
                              dense_capacity=capacity[context])
