@@ -216,6 +216,7 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
                      draft_vocab=args.draft_vocab, self_tokens=args.self_tokens,
                      self_prompt=args.self_prompt, train_dtype=args.train_dtype,
                      soft_weight=args.soft_weight, feature_weight=args.feature_weight,
+                     weight_decay=args.weight_decay, feature_noise=args.feature_noise,
                      seed=args.seed)
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     # room for GENERATE_BATCH whole chunks: the own continuations are generated together
@@ -508,6 +509,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--feature-weight", type=float, default=TrainSpec.feature_weight,
                     help="weight of the smooth L1 loss to the target's final hidden state "
                     "(EAGLE-1's feature regression)")
+    tr.add_argument("--weight-decay", type=float, default=TrainSpec.weight_decay,
+                    help="AdamW weight decay of the head's weights")
+    tr.add_argument("--feature-noise", type=float, default=TrainSpec.feature_noise,
+                    help="uniform noise added to the input features in training, as a "
+                    "fraction of their RMS (a regulariser, EAGLE-1's augmentation)")
     tr.add_argument("--aux-layers", default=None,
                     help="target layers fused as features (default: 2, L/2, L-1)")
     tr.add_argument("--seed", type=int, default=TrainSpec.seed)

@@ -208,7 +208,9 @@ def test_train_drafter_flags_reach_the_spec(monkeypatch, tiny_llama, tmp_path):
     monkeypatch.setattr(train, "run", fake_run)
     with pytest.raises(KeyboardInterrupt):
         main(["train-drafter", "--model", str(tiny_llama), "--out", str(tmp_path), "--epochs",
-              "3", "--soft-weight", "0.5", "--feature-weight", "2", "--aux-layers", "0,1"])
+              "3", "--soft-weight", "0.5", "--feature-weight", "2", "--weight-decay", "0.1",
+              "--feature-noise", "0.2", "--aux-layers", "0,1"])
     spec = seen["spec"]
-    assert (spec.epochs, spec.soft_weight, spec.feature_weight) == (3, 0.5, 2.0)
+    assert (spec.epochs, spec.soft_weight, spec.feature_weight, spec.weight_decay,
+            spec.feature_noise) == (3, 0.5, 2.0, 0.1, 0.2)
     assert seen["aux"] == [0, 1]

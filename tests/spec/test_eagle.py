@@ -19,6 +19,7 @@ from oasiskv.spec.train import (
     head_loss,
     in_loop,
     load_shards,
+    noisy,
     own_continuations,
     target_features,
     target_hidden,
@@ -105,14 +106,43 @@ def test_distilled_training_learns_and_beats_unigram(trained, tiny_llama):
     assert curve[-1]["greedy_accuracy"] > curve[-1]["unigram_accuracy"] + 0.25, curve[-1]
 
 
+def test_feature_noise_is_bounded_by_each_layers_rms():
+    gen = torch.Generator().manual_seed(0)
+    # two aux layers of width 4: RMS 2 (values +-2) and RMS 10 (constant 10)
+    features = torch.cat([torch.tensor([2.0, -2.0, 2.0, -2.0]).expand(3, 50, 4),
+                          torch.full((3, 50, 4), 10.0)], dim=-1)
+    shift = noisy(features, 0.2, 4, gen) - features
+    low, high = shift[..., :4].abs(), shift[..., 4:].abs()
+    assert low.max() <= 0.2 * 2 and low.max() > 0.9 * 0.2 * 2
+    assert high.max() <= 0.2 * 10 and high.max() > 0.9 * 0.2 * 10
+    assert abs(shift[..., 4:].mean().item()) < 0.1  # zero-mean: U(-2, 2) over 600 draws
+    assert torch.equal(noisy(features, 0.0, 4, gen), features)
+
+
+def test_regularised_training_learns_with_smaller_weights(trained, tiny_llama):
+    out, _ = trained
+    heldout = load_shards([out / "features" / "heldout_00000.safetensors"])
+    norms = {}
+    for decay in (0.0, 2.0):
+        data, target, head = tiny_head(out, tiny_llama)
+        spec = TrainSpec(model="tiny", out=out, chunk=MARKOV_CHUNK, self_prompt=1, epochs=6,
+                         lr=3e-3, weight_decay=decay, feature_noise=0.2, quiet=True)
+        losses, curve = train_head(head, data, spec, heldout)
+        assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
+        assert curve[-1]["greedy_accuracy"] > curve[-1]["unigram_accuracy"] + 0.25, curve[-1]
+        norms[decay] = head.fc.weight.norm().item()
+    assert norms[2.0] < 0.8 * norms[0.0], norms  # 0.68 here
+
+
 def test_distillation_needs_the_targets_last_layer(trained, tiny_llama):
     out, _ = trained
     data, target, head = tiny_head(out, tiny_llama, aux_layers=(0,))
     spec = TrainSpec(model="tiny", out=out, soft_weight=1.0, quiet=True)
     with pytest.raises(ValueError, match=r"target's last layer \(1\) as the last aux layer"):
         train_head(head, data, spec, target=target)
-    with pytest.raises(ValueError, match="feature_weight must be >= 0"):
-        TrainSpec(model="m", out=out, feature_weight=-1)
+    for name in ("feature_weight", "weight_decay", "feature_noise"):
+        with pytest.raises(ValueError, match=f"{name} must be >= 0"):
+            TrainSpec(model="m", out=out, **{name: -1})
 
 
 def test_bad_train_dtype_is_a_clear_error(tmp_path):
