@@ -322,6 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="block summaries: auto (bfloat16 for float32 K/V, else the KV "
                       "dtype), float32, float16 or bfloat16 (half the bytes the predict stage "
                       "reads in a float32 run)")
+    pipe.add_argument("--remote-store", default="none",
+                      help="the tier under the host: none (the host holds every block), "
+                      "inprocess, mooncake (a master and a storage node process started here, "
+                      "reads cross Mooncake's TCP transport) or mooncake://HOST:PORT")
+    pipe.add_argument("--f-host", type=float, default=1.0,
+                      help="with a remote store: share of each prompt's blocks the host keeps; "
+                      "the remote fetch stage reads the rest when predicted")
     pipe.add_argument("--num-threads", type=int, default=None)
     pipe.add_argument("--json", help="write the figures to this file")
     pipe.add_argument("--plot", help="write a bar plot (PNG) of step time per f_hbm and mode")

@@ -10,13 +10,20 @@ decode steps of the whole batch are measured. Per f_hbm:
 With --repeats R the three modes run in turn, R rounds per f_hbm; a row is the mode's
 median-step-time run, with the median of its per-round ratios to that round's frozen run.
 Printed per row: mean decode step time, its ratio to frozen, the stall fraction (foreground
-time waiting for prefetch / step time), bytes moved per step (host->device + device->host),
-blocks admitted / wanted per step, and the cap in force.
+time waiting for prefetch / step time), bytes moved per step (host->device + device->host, and
+remote store -> host), blocks admitted / wanted per step, and the cap in force.
+
+With --remote-store and --f-host < 1 the host keeps only part of each prompt and the misses
+are read from the store by the remote fetch stage: `mooncake` starts a master and a storage
+node process (`disagg.store_node`) in a private network, so every read crosses Mooncake's TCP
+transport, waiting time that async prefetch can hide and sync cannot.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import platform
 import statistics
 import tempfile
@@ -37,6 +44,8 @@ from oasiskv.bench.common import (
     write_json,
 )
 from oasiskv.config import EngineConfig
+from oasiskv.disagg.mooncake import private_network, start_master
+from oasiskv.disagg.store_node import StoreNode
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.sampling_params import SamplingParams
 
@@ -72,6 +81,7 @@ def measure(engine: LLMEngine, prompts: list[list[int]], kvs: list[torch.Tensor]
     return {"step_ms": step_s * 1e3, "engine_step_ms": sum(e["time_s"] for e in log)
             / len(log) * 1e3, "stall_frac": delta["stall_s"] / wall,
             "bytes_per_step": (delta["h2d_bytes"] + delta["d2h_bytes"]) / steps,
+            "remote_bytes_per_step": delta["remote_bytes"] / steps,
             "admitted_per_step": delta["admitted"] / steps,
             "wanted_per_step": delta["wanted"] / steps,
             "hit_rate": delta["hits"] / max(delta["predicted"], 1),
@@ -91,7 +101,8 @@ def median_round(runs: list[dict], floors: list[float]) -> dict:
 
 COLUMNS = [("f_hbm", "f_hbm"), ("mode", "mode"), ("step_ms", "step ms"),
            ("vs_frozen", "x frozen"), ("rounds", "x frozen, each round"), ("stall_frac", "stall"),
-           ("bytes_per_step", "bytes/step"), ("admitted_per_step", "admitted/step"),
+           ("bytes_per_step", "bytes/step"), ("remote_bytes_per_step", "remote bytes/step"),
+           ("admitted_per_step", "admitted/step"),
            ("wanted_per_step", "wanted/step"), ("hit_rate", "hit rate"), ("fetch_cap", "cap")]
 
 
@@ -117,6 +128,23 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     save_figure(fig, path)
 
 
+def store_label(args: argparse.Namespace) -> str:
+    if args.remote_store == "none":
+        return "no remote store"
+    return f"remote store {args.remote_store}, host keeps {args.f_host:g} of each prompt"
+
+
+def mooncake_node(stack: contextlib.ExitStack, kvs: list[torch.Tensor]) -> str:
+    """A master and a storage node lending room for two engines' prompts (the next engine puts
+    its copy while the last one's may still be leased), in a private network; the spec."""
+    stack.enter_context(private_network())
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    master = stack.enter_context(start_master())
+    prompt_bytes = sum(kv.numel() * kv.element_size() for kv in kvs)
+    stack.enter_context(StoreNode(master.address, 2 * prompt_bytes + (64 << 20)))
+    return f"mooncake://{master.address}"
+
+
 def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
@@ -127,6 +155,9 @@ def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
             "summary_dtype": args.summary_dtype, "max_num_seqs": args.batch}
     if args.num_threads:
         base["num_threads"] = args.num_threads
+    remote = {"f_host": args.f_host, "remote_store": args.remote_store}
+    EngineConfig.from_kwargs(**base, **remote | {  # bad settings fail now, not after prefill
+        "remote_store": "inprocess" if args.remote_store == "mooncake" else args.remote_store})
     prefill_engine = LLMEngine(EngineConfig.from_kwargs(**base))
     prompts, source = unique_prompts(prefill_engine.tokenizer, args.batch, args.context)
     with tempfile.TemporaryDirectory(prefix="oasiskv-bench-") as tmp:
@@ -136,25 +167,31 @@ def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
     prefill_engine.close()
     del prefill_engine
     rows = []
-    for f in fractions:
-        runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
-        for round_ in range(args.repeats):  # every mode once per round, in turn
+    with contextlib.ExitStack() as stack:
+        if args.remote_store == "mooncake":
+            remote |= {"remote_store": mooncake_node(stack, kvs), "remote_lend": "0"}
+        for f in fractions:
+            runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+            for round_ in range(args.repeats):  # every mode once per round, in turn
+                for mode in MODES:
+                    engine = LLMEngine(EngineConfig.from_kwargs(
+                        **base, **remote, f_hbm=f,
+                        prefetch="sync" if mode != "async" else "async"))
+                    trace = args.trace if (args.trace and mode == "async"
+                                           and f == fractions[0] and round_ == 0) else None
+                    runs[mode].append(measure(engine, prompts, kvs, args.warmup, args.steps,
+                                              mode == "frozen", trace))
+                    engine.close()
+                    print(f"f_hbm {f} {mode}: {runs[mode][-1]['step_ms']:.1f} ms/step",
+                          flush=True)
             for mode in MODES:
-                engine = LLMEngine(EngineConfig.from_kwargs(
-                    **base, f_hbm=f, prefetch="sync" if mode != "async" else "async"))
-                trace = args.trace if (args.trace and mode == "async" and f == fractions[0]
-                                       and round_ == 0) else None
-                runs[mode].append(measure(engine, prompts, kvs, args.warmup, args.steps,
-                                          mode == "frozen", trace))
-                engine.close()
-                print(f"f_hbm {f} {mode}: {runs[mode][-1]['step_ms']:.1f} ms/step", flush=True)
-        for mode in MODES:
-            rows.append({"f_hbm": f, "mode": mode,
-                         **median_round(runs[mode], [r["step_ms"] for r in runs["frozen"]])})
+                rows.append({"f_hbm": f, "mode": mode, **median_round(
+                    runs[mode], [r["step_ms"] for r in runs["frozen"]])})
     elapsed = time.perf_counter() - t_start
     print(f"\n## prefetch pipeline, {args.model}: batch {args.batch} x {args.context} tokens "
           f"({source}), K={args.top_k}, predictor {args.predictor}, {args.dtype} K/V, "
-          f"summaries {summary_label(args.summary_dtype, args.dtype)}, {args.steps} measured "
+          f"summaries {summary_label(args.summary_dtype, args.dtype)}, {store_label(args)}, "
+          f"{args.steps} measured "
           f"decode steps after {args.warmup} warm-up; {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}\n")
     print(markdown_table(rows, COLUMNS))
@@ -167,7 +204,8 @@ def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
                            "batch": args.batch, "top_k": args.top_k,
                            "predictor": args.predictor, "steps": args.steps,
                            "dtype": args.dtype, "summary_dtype": args.summary_dtype,
-                           "repeats": args.repeats,
+                           "repeats": args.repeats, "remote_store": args.remote_store,
+                           "f_host": args.f_host,
                            "threads": torch.get_num_threads(), "prefill_s": prefill_s,
                            "time_s": elapsed, "rows": rows})
     if args.plot:

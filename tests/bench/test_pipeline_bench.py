@@ -3,8 +3,10 @@ work, rounds give per-round ratios to frozen, the table, JSON, plot and trace ar
 
 import json
 import statistics
+import subprocess
+import sys
 
-from conftest import build_model_dir
+from conftest import build_model_dir, needs_mooncake
 
 from oasiskv.bench.common import summary_label
 from oasiskv.cli import main
@@ -47,3 +49,34 @@ def test_summary_label_names_what_auto_keeps():
     assert summary_label("auto", "float32") == "auto (bfloat16)"
     assert summary_label("auto", "float16") == "auto (float16)"
     assert summary_label("float32", "float32") == "float32"
+
+
+@needs_mooncake
+def test_pipeline_bench_reads_misses_from_a_mooncake_storage_node(tmp_path):
+    """--remote-store mooncake: a master and a storage node started by the bench; the host
+    keeps a third of each prompt, so sync and async read the same misses through Mooncake and
+    frozen reads none. A process of its own: the bench enters its own network namespace."""
+    model = build_model_dir(tmp_path / "m", num_hidden_layers=3)
+    out = tmp_path / "p.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "oasiskv.cli", "bench", "pipeline", "--model", str(model),
+         "--context", "300", "--batch", "2", "--top-k", "4", "--predictor", "previous",
+         "--f-hbm", "1.0", "--steps", "6", "--warmup", "2", "--remote-store", "mooncake",
+         "--f-host", "0.3", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "remote store mooncake, host keeps 0.3 of each prompt" in done.stdout
+    data = json.loads(out.read_text())
+    assert (data["remote_store"], data["f_host"]) == ("mooncake", 0.3)
+    by = {r["mode"]: r for r in data["rows"]}
+    assert by["frozen"]["remote_bytes_per_step"] == 0
+    assert by["sync"]["remote_bytes_per_step"] > 0
+    assert by["sync"]["remote_bytes_per_step"] == by["async"]["remote_bytes_per_step"]
+
+
+def test_pipeline_bench_needs_a_store_below_f_host_1(tmp_path, capsys):
+    model = build_model_dir(tmp_path / "m", num_hidden_layers=3)
+    assert main(["bench", "pipeline", "--model", str(model), "--context", "200", "--f-host",
+                 "0.5", "--kv-cache-dir", str(tmp_path / "kv")]) == 2
+    assert "f_host=0.5 < 1 needs a remote store" in capsys.readouterr().err
+    assert not (tmp_path / "kv").exists()  # before the prefill
