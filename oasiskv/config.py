@@ -161,7 +161,7 @@ class CacheConfig:
         "background (worker threads on CPU, CUDA streams on GPU); sync runs them inline "
         "(the default: on a 2-core CPU the workers compete with the model for the cores)")
     prefetch_group: int = _field(
-        0, "sparse, async, no remote store: layers per prefetch job (the next step's "
+        0, "sparse, async: layers per prefetch job (the next step's "
         "selection, submitted once the last of them has attended, and a completed block's "
         "fill); 0: half the model's layers (two jobs per step, each running while the other "
         "half computes: fewer, larger jobs cost the foreground less than one per layer)")

@@ -90,6 +90,7 @@ class FetchResult:
 
 @dataclass(eq=False)  # compared by identity
 class _Want:
+    layer: int
     cache: HostCache
     blocks: torch.Tensor  # [m] logical blocks to fetch
     slots: torch.Tensor  # [m] host blocks they go to
@@ -215,46 +216,51 @@ class RemoteTier:
         self.remove(slab_namespace)
         return slab.view(num_layers, top_k, *slab.shape[1:])
 
-    def fetch(self, layer: int, wants: list[tuple[HostCache, torch.Tensor, torch.Tensor]]
+    def fetch(self, wants: list[tuple[int, HostCache, torch.Tensor, torch.Tensor]]
               ) -> FetchResult:
-        """For each (cache, protected [*], blocks [m]): the logical prompt blocks of `blocks`
-        that are not on the host in `layer` get host blocks (LRU eviction outside
-        `protected`) and are read from the store, in one call for all requests. A request
-        whose read fails gets `cache.error`, and its blocks stay off the host."""
+        """For each (layer, cache, protected [*], blocks [m]): the logical prompt blocks of
+        `blocks` that are not on the host in `layer` get host blocks (LRU eviction outside
+        `protected`) and are read from the store, in one call for all requests and layers
+        (a store call costs far more than a block: 0.3 ms for 1 block, 2.4 for 24 over
+        Mooncake's TCP here). A request whose read fails gets `cache.error`, and its blocks
+        stay off the host."""
         result = FetchResult()
         plan = []
-        for cache, protected, blocks in wants:
+        for layer, cache, protected, blocks in wants:
             missing = blocks[cache.where[layer, blocks] < 0]
             if len(missing):
                 slots, evicted = cache.make_room(layer, missing, protected)
                 result.evictions += evicted
-                plan.append(_Want(cache, missing, slots))
-        for want, error in self._get(layer, plan, result):
-            want.cache.forget(layer, want.blocks)
-            want.cache.error = (f"remote tier: fetching blocks of layer {layer} failed: "
+                plan.append(_Want(layer, cache, missing, slots))
+        for want, error in self._get(plan, result):
+            want.cache.forget(want.layer, want.blocks)
+            want.cache.error = (f"remote tier: fetching blocks of layer {want.layer} failed: "
                                 f"{type(error).__name__}: {error}")
         return result
 
-    def _get(self, layer: int, plan: list[_Want],
-             result: FetchResult) -> list[tuple[_Want, RemoteStoreError]]:
+    def _get(self, plan: list[_Want], result: FetchResult
+             ) -> list[tuple[_Want, RemoteStoreError]]:
         """Reads the plan's blocks into their host blocks; returns the wants that failed."""
         if not plan:
             return []
-        keys = [BlockKey(w.cache.namespace, layer, int(b)) for w in plan for b in w.blocks]
+        keys = [BlockKey(w.cache.namespace, w.layer, int(b)) for w in plan for b in w.blocks]
         try:
             out = self.store.get_blocks(keys)  # [n, 2, Hkv, B, d]
         except RemoteStoreError as e:
             named = {k.namespace for k in e.keys if isinstance(k, BlockKey)}
             blamed = [w for w in plan if w.cache.namespace in named]
             if not blamed and len(plan) > 1:  # no key named: each request's blocks alone
-                return [f for w in plan for f in self._get(layer, [w], result)]
+                return [f for w in plan for f in self._get([w], result)]
             blamed = blamed or plan
             rest = [w for w in plan if w not in blamed]
-            return [(w, e) for w in blamed] + self._get(layer, rest, result)
-        slots = torch.cat([w.slots for w in plan])
-        _, _, hkv, _, d = self.host_kv.shape
-        self.host_kv[layer][:, :, self._tokens(slots)] = \
-            out.permute(1, 2, 0, 3, 4).reshape(2, hkv, -1, d)
+            return [(w, e) for w in blamed] + self._get(rest, result)
+        B = self.block_size
+        layers = torch.tensor([w.layer for w in plan]).repeat_interleave(
+            torch.tensor([len(w.blocks) for w in plan]) * B)  # [n*B] each token's layer
+        tokens = self._tokens(torch.cat([w.slots for w in plan]))  # [n*B]
+        # [L, host tokens, 2, Hkv, d] view: (layer, token) pairs index whole rows
+        self.host_kv.permute(0, 3, 1, 2, 4)[layers, tokens] = \
+            out.permute(0, 3, 1, 2, 4).flatten(0, 1)
         result.blocks += len(keys)
         result.bytes += len(keys) * self.store.block_bytes
         for w in plan:

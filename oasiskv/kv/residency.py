@@ -17,10 +17,10 @@ blocks that step t completed enter the working sets as fill jobs after the step.
 Layer l's attention of step t+1 first waits for layer l's jobs (and for nothing else). With
 `prefetch="sync"` the same stages run inline, so both modes compute the same thing. On one
 node a selection or fill job holds several layers, batched (layer l's work only touches layer
-l's slots, so the result is the same, with one round of small tensor ops instead of one per
-layer): async, runs of `prefetch_group` layers, a selection once the last of its layers has
-attended; sync, every layer, the selections at the step's end. With a remote store a job
-holds one layer, whose remote fetch it is.
+l's slots, so the result is the same, with one round of small tensor ops, and with a remote
+store one store call, instead of one per layer): async, runs of `prefetch_group` layers, a
+selection once the last of its layers has attended; sync, every layer, the selections at the
+step's end.
 """
 
 from __future__ import annotations
@@ -481,9 +481,6 @@ class SparseKV:
                                  for r, w in zip(rows, weights, strict=True)])
         for d in decodes:
             d.seq.working_set.primed[layer] = True
-        if self.remote is not None:  # one layer per job: its remote fetch is that layer's
-            self._submit_selection([layer], decodes, queries[:, None])
-            return
         self._deferred.append((layer, decodes, queries))
         if self.pipeline.executor.kind == "async" and any(
                 layer == run.stop - 1 for run in self.layer_groups()):  # its run's last layer
@@ -507,10 +504,9 @@ class SparseKV:
         return self.cfg.prefetch_group or max(1, L // 2)
 
     def layer_groups(self) -> list[slice]:
-        """The layers of each job: runs of prefetch_group layers (one layer with a remote
-        store), for selections and fills alike, so that a layer waits at its run's first."""
-        L = self.device_kv.shape[0]
-        n = 1 if self.remote is not None else self.prefetch_group
+        """The layers of each job: runs of prefetch_group layers, for selections and fills
+        alike, so that a layer waits at its run's first."""
+        L, n = self.device_kv.shape[0], self.prefetch_group
         return [slice(i, min(i + n, L)) for i in range(0, L, n)]
 
     def _select_deferred(self) -> None:

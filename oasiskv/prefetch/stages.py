@@ -63,15 +63,13 @@ def warm_up_scores(kmin: torch.Tensor) -> None:
 class SelectJob:
     """The four stages of one step's selection in a run of layers, batched over the requests
     and the layers: picks hold each request's queries [len(layers), H, d]. Batching the layers
-    (one node) turns 30 rounds of small tensor ops into one or two; a remote store's fetch is
-    per layer, so its jobs hold one layer."""
+    turns 30 rounds of small tensor ops (and, with a remote store, 30 store calls) into one or
+    two."""
 
     def __init__(self, kv: SparseKV, layers: list[int],
                  picks: list[tuple[StepDecode, torch.Tensor]], step: int) -> None:
         if layers != list(range(layers[0], layers[0] + len(layers))):
             raise ValueError(f"a selection's layers must be one run, got {layers}")
-        if kv.remote is not None and len(layers) > 1:
-            raise ValueError("with a remote store a selection holds one layer")
         self.kv, self.layers, self.step = kv, layers, step
         self.run = slice(layers[0], layers[-1] + 1)
         # only requests with complete blocks select; working sets captured now (a request
@@ -222,13 +220,13 @@ class SelectJob:
 
     def remote(self) -> None:
         """Where each admission's block is on the host. One node: its host block is its
-        summary id. Remote store: blocks missing from a request's host cache in this layer
-        are fetched, all requests' in one store call; a request whose fetch failed loses its
-        admissions (the engine fails it after the step)."""
+        summary id. Remote store: blocks missing from a request's host cache in a layer are
+        fetched, all requests' and layers' in one store call; a request whose fetch failed
+        loses its admissions (the engine fails it after the step)."""
         self._hook("remote")
         if self.heads is None or len(self.heads) == 0:
             return
-        kv, layer = self.kv, self.layers[0]  # with a remote store, the job's one layer
+        kv = self.kv
         if kv.remote is None:
             self.src = self.ids[self.requests, self.blocks] * kv.cfg.block_size
             return
@@ -237,15 +235,19 @@ class SelectJob:
             if cache is None:
                 raise RuntimeError(f"request {self.picks[r][0].seq.request_id} decodes "
                                    "without a host cache (its prompt never went to the store)")
-            wants.append((cache, self.working_sets[r].head_map[layer].flatten(),
-                          self.blocks[self.requests == r].unique()))
-        got = kv.remote.fetch(layer, wants)
+            for j, layer in enumerate(self.layers):
+                mine = (self.requests == r) & (self.layer_of == j)
+                if mine.any():
+                    wants.append((layer, cache, self.working_sets[r].head_map[layer].flatten(),
+                                  self.blocks[mine].unique()))
+        got = kv.remote.fetch(wants)
         kv._count(remote_bytes=got.bytes, remote_blocks=got.blocks,
                   host_evictions=got.evictions)
         host = torch.empty_like(self.blocks)  # [A]
+        layers = self.layer_of + self.layers[0]
         for r, cache in enumerate(self.caches):
             mine = self.requests == r
-            host[mine] = cache.where[layer, self.blocks[mine]]
+            host[mine] = cache.where[layers[mine], self.blocks[mine]]
         ok = host >= 0  # -1: the fetch failed
         self.layer_of, self.heads, self.dst = self.layer_of[ok], self.heads[ok], self.dst[ok]
         self.src = host[ok] * kv.cfg.block_size

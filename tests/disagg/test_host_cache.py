@@ -202,24 +202,28 @@ def test_prefix_kv_requests_go_to_the_store_too(tiny_llama):
         llm.engine.sparse.remote.store.block_bytes)
 
 
-def test_evicted_blocks_are_fetched_again_in_one_call_per_layer_and_step(tiny_llama):
+def test_evicted_blocks_are_fetched_again_in_one_call_per_job(tiny_llama):
     llm = LLM(str(tiny_llama), remote_store="inprocess", f_host=0.1, prefetch="sync",
               **SPARSE)
     e = llm.engine
     store = e.sparse.remote.store = Recording(e.sparse.remote.store)
-    # sync prefetch: a (layer, step) selection's remote stage runs, then its store calls
-    jobs: list[tuple[int, set[str], int]] = []  # (layer, its requests, gets before it)
-    e.sparse.stage_hooks["remote"] = lambda layer, seqs: jobs.append(
-        (layer, {s.host_cache.namespace for s in seqs}, len(store.gets)))
+    # a selection job's remote stage runs (its hook once per layer), then its store calls
+    jobs: dict[int, tuple[set[int], set[str]]] = {}  # gets before it -> (layers, requests)
+    e.sparse.stage_hooks["remote"] = lambda layer, seqs: (
+        jobs.setdefault(len(store.gets), (set(), set()))[0].add(layer),
+        jobs[len(store.gets)][1].update(s.host_cache.namespace for s in seqs))
     prompts = prompts_of([240, 230, 250], seed=2)
     run_checked(llm, prompts, 0.1)
-    ends = [n for _, _, n in jobs[1:]] + [len(store.gets)]
-    for (layer, rids, start), end in zip(jobs, ends, strict=True):
-        assert end - start <= 1  # one store call per (layer, step) selection...
-        for keys in store.gets[start:end]:  # ...for that layer, any of its requests
-            assert {k.layer for k in keys} == {layer}
+    starts = sorted(jobs)
+    for start, end in zip(starts, starts[1:] + [len(store.gets)], strict=True):
+        layers, rids = jobs[start]
+        assert end - start <= 1  # one store call per job...
+        for keys in store.gets[start:end]:  # ...for its layers and requests
+            assert {k.layer for k in keys} <= layers
             assert {k.namespace for k in keys} <= rids
-    assert any(len({k.namespace for k in keys}) > 1 for keys in store.gets)  # coalesced
+    # coalesced: sync selects every layer of a step in one job, so one call
+    assert any(len({k.namespace for k in keys}) > 1 for keys in store.gets)
+    assert any(len({k.layer for k in keys}) > 1 for keys in store.gets)
     fetched = [k for keys in store.gets for k in keys]
     again = {k for k in fetched if fetched.count(k) > 1}
     assert again, "no block was evicted and fetched again"
