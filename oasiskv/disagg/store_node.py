@@ -42,13 +42,13 @@ class StoreNode:
                                + " | ".join(tail))
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        self.process.stdin.close()  # the node's cue to unmount and exit
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process.stdout.close()
         self.log.close()
 
     def __enter__(self) -> StoreNode:

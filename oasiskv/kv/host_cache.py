@@ -6,8 +6,8 @@ generated (not-yet-complete) logical block, fixed and never evicted, and `prompt
 shared by its complete prompt blocks. Each layer maps logical blocks to host blocks on its own
 (`where[l, b]`, -1 = only in the remote store), because the pipeline selects and fetches misses
 per layer. So the budget holds by construction at every instant; the LRU pass runs for each
-layer in the remote stage, right before the fetch, and evicts only what the fetch needs room for: the
-least recently selected prompt blocks outside every head's working set. An evicted block
+layer in the remote stage, right before the fetch, and evicts only what the fetch needs room
+for: the least recently selected prompt blocks outside every head's working set. An evicted block
 stays in the store and is fetched again on a later miss (no approximation).
 
 Only the owning layer's pipeline chain touches a layer's rows (select stamps, remote fetches),

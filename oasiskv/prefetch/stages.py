@@ -1,8 +1,8 @@
 """The stages of one step's working-set selection for a batch's sparse requests, in one layer
 or in a run of layers at once: predict (scores + per-head top-K), select (capped LRU, head maps
 updated), remote (with a remote store: admitted blocks missing from the host caches, fetched in
-one call for the run; on one node nothing to do), local (one gather host -> device slots). The pipeline runs them in order, inline or in workers;
-`kv/residency.py` creates them."""
+one call for the run; on one node nothing to do), local (one gather host -> device slots).
+The pipeline runs them in order, inline or in workers; `kv/residency.py` creates them."""
 
 from __future__ import annotations
 
