@@ -212,5 +212,5 @@ def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
         plot(rows, args.plot, f"{args.model}: decode step, batch {args.batch} x "
                               f"{args.context} tok, K={args.top_k}" + (
                                   "" if args.remote_store == "none" else
-                                  f", {args.remote_store} f_host={args.f_host:g}"))
+                                  f"\nremote store {args.remote_store}, f_host={args.f_host:g}"))
     return rows
