@@ -145,14 +145,15 @@ def run_checked(llm, prompts, f_host, params=GREEDY, ids=None, prefix_kv=None):
     return [outs[i] for i in ids]
 
 
-@pytest.mark.parametrize("prefetch", ["sync", "async"])
+# async jobs of one layer (group 1 = half of 2) and of both layers (one store call per step)
+@pytest.mark.parametrize("prefetch,group", [("sync", 0), ("async", 0), ("async", 2)])
 @pytest.mark.parametrize("f_host", [1.0, 0.25])
-def test_outputs_equal_the_engine_without_a_remote_tier(tiny_llama, f_host, prefetch):
+def test_outputs_equal_the_engine_without_a_remote_tier(tiny_llama, f_host, prefetch, group):
     prompts = prompts_of([200, 170, 90])
     ref = LLM(str(tiny_llama), prefetch=prefetch, **SPARSE)
     want = ref.generate(prompts, GREEDY, use_tqdm=False)
     llm = LLM(str(tiny_llama), remote_store="inprocess", f_host=f_host, prefetch=prefetch,
-              **SPARSE)
+              prefetch_group=group, **SPARSE)
     got = run_checked(llm, prompts, f_host)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(o.finish_reason == "length" for o in got)
