@@ -16,7 +16,8 @@ remote store -> host), blocks admitted / wanted per step, and the cap in force.
 With --remote-store and --f-host < 1 the host keeps only part of each prompt and the misses
 are read from the store by the remote fetch stage: `mooncake` starts a master and a storage
 node process (`disagg.store_node`) in a private network, so every read crosses Mooncake's TCP
-transport, waiting time that async prefetch can hide and sync cannot.
+transport: sync pays it on the critical path, async in the workers (hidden where they have a
+core of their own; the Mooncake client itself keeps cores busy while a read is in flight).
 """
 
 from __future__ import annotations
