@@ -81,10 +81,9 @@ def _cmd_pd(args: argparse.Namespace) -> int:
     """Prefill and decode workers started here for a demo; prints the answer and what the
     hand-over moved."""
     import contextlib
-    import os
 
     from oasiskv import SamplingParams
-    from oasiskv.disagg.mooncake import private_network, start_master
+    from oasiskv.disagg.mooncake import local_master
     from oasiskv.disagg.pd import DisaggregatedLLM
 
     prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
@@ -96,9 +95,7 @@ def _cmd_pd(args: argparse.Namespace) -> int:
                             seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     with contextlib.ExitStack() as stack:
         if args.mooncake:  # a master of our own, its ports hidden in a private namespace
-            stack.enter_context(private_network())
-            os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-            kwargs["remote_store"] = f"mooncake://{stack.enter_context(start_master()).address}"
+            kwargs["remote_store"] = f"mooncake://{stack.enter_context(local_master()).address}"
         pd = DisaggregatedLLM(transfer=args.transfer, decode=decode, **kwargs)
         stack.callback(pd.close)
         if args.chat:

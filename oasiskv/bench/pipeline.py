@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import platform
 import statistics
 import tempfile
@@ -45,7 +44,7 @@ from oasiskv.bench.common import (
     write_json,
 )
 from oasiskv.config import EngineConfig
-from oasiskv.disagg.mooncake import private_network, start_master
+from oasiskv.disagg.mooncake import local_master
 from oasiskv.disagg.store_node import StoreNode
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.sampling_params import SamplingParams
@@ -138,9 +137,7 @@ def store_label(args: argparse.Namespace) -> str:
 def mooncake_node(stack: contextlib.ExitStack, kvs: list[torch.Tensor]) -> str:
     """A master and a storage node lending room for two engines' prompts (the next engine puts
     its copy while the last one's may still be leased), in a private network; the spec."""
-    stack.enter_context(private_network())
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    master = stack.enter_context(start_master())
+    master = stack.enter_context(local_master())
     prompt_bytes = sum(kv.numel() * kv.element_size() for kv in kvs)
     stack.enter_context(StoreNode(master.address, 2 * prompt_bytes + (64 << 20)))
     return f"mooncake://{master.address}"

@@ -215,3 +215,13 @@ def private_network() -> Iterator[bool]:
                                    f"{os.strerror(err)}")
     finally:
         os.close(home)
+
+
+@contextlib.contextmanager
+def local_master() -> Iterator[MasterHandle]:
+    """A master of our own with its ports hidden in a private network namespace (loopback-bound
+    where the kernel refuses one). Create the stores, and start their processes, inside it."""
+    with private_network():
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        with start_master() as master:
+            yield master

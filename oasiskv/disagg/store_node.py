@@ -24,7 +24,6 @@ class StoreNode:
     """The node as a child process of this one (started from the current network namespace)."""
 
     def __init__(self, master_addr: str, lend_bytes: int, timeout_s: float = 60.0) -> None:
-        self.lend_bytes = lend_bytes
         self.log = tempfile.TemporaryFile()  # Mooncake's log lines, for the error below
         self.process = subprocess.Popen(
             [sys.executable, "-m", "oasiskv.disagg.store_node", master_addr, str(lend_bytes)],

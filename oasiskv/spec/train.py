@@ -298,9 +298,9 @@ def head_loss(head: EagleHead, logits: torch.Tensor, hidden: torch.Tensor, greed
 
 def noisy(features: torch.Tensor, scale: float, hidden: int,
           gen: torch.Generator) -> torch.Tensor:
-    """[b, S, F] features + U(-scale, scale) x each aux layer's RMS at that row: the head
-    cannot lean on exact feature values it will never see again, so it generalises to unseen
-    text (held-out vs training accuracy was 0.60 vs 0.74 without it)."""
+    """[b, S, F] features + U(-scale, scale) x each aux layer's RMS at that row, so that the
+    head cannot lean on exact feature values (held-out vs training accuracy was 0.60 vs 0.74;
+    with this at 0.2 and weight decay 0.1 the held-out accuracy stayed 0.60 on SmolLM2)."""
     parts = features.unflatten(-1, (-1, hidden))  # [b, S, layers, D]
     rms = parts.pow(2).mean(-1, keepdim=True).sqrt()
     noise = torch.rand(parts.shape, generator=gen).mul_(2).sub_(1).mul_(scale)
