@@ -102,46 +102,66 @@ class HostCache:
         return int((self.holder >= 0).sum()) + self.where.numel() - self.where.shape[0] * (
             self.num_prompt)
 
-    def touch(self, layer: int, blocks: torch.Tensor, step: int) -> None:
-        """Marks logical blocks (any, -2 padding allowed) as selected at `step`."""
-        prompt = blocks[(blocks >= 0) & (blocks < self.num_prompt)]
-        self.last_used[layer, prompt] = step
+    def touch(self, first: int, blocks: torch.Tensor, step: int) -> None:
+        """Marks logical blocks [J, m] of layers first..first+J-1 (any, -2 padding allowed) as
+        selected at `step`."""
+        rows = torch.arange(len(blocks))[:, None].expand_as(blocks)
+        prompt = (blocks >= 0) & (blocks < self.num_prompt)
+        self.last_used[first:first + len(blocks)][rows[prompt], blocks[prompt]] = step
 
-    def make_room(self, layer: int, incoming: torch.Tensor,
+    def make_room(self, layers: torch.Tensor, incoming: torch.Tensor,
                   protected: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Host blocks for the prompt blocks `incoming` ([m], distinct, not resident in
-        `layer`), evicting the least recently used resident prompt blocks not in `protected`
-        (logical blocks of the layer's working sets; -1 entries ignored). The caller fills
-        them. Returns (host blocks [m], evictions)."""
-        holder = self.holder[layer]  # [C]
-        free = (holder < 0).nonzero().flatten()
-        need = len(incoming) - len(free)
-        evicted = 0
-        if need > 0:
-            guard = torch.zeros(self.num_prompt, dtype=torch.bool)
-            guard[protected[(protected >= 0) & (protected < self.num_prompt)]] = True
-            held = holder >= 0
-            movable = held & ~guard[holder.clamp(min=0)]
-            if int(movable.sum()) < need:  # prompt_capacity() rules this out
-                raise RuntimeError(f"host cache of {self.namespace!r}, layer {layer}: "
-                                   f"{len(incoming)} blocks to fetch, {len(free)} free and "
-                                   f"{int(movable.sum())} evictable slots")
-            age = torch.where(movable, self.last_used[layer, holder.clamp(min=0)],
+        """Host blocks for the prompt blocks `incoming` of `layers` ([m] each; pairs sorted
+        by layer, distinct, not resident), evicting in each layer its least recently used
+        resident prompt blocks outside `protected[layer]` (protected: [L, *] logical blocks
+        of each layer's working sets; -1 entries ignored). All layers at once: a job's remote
+        stage makes room in 15 or 30 layers of each request. The caller fills them. Returns
+        (host blocks [m], evictions)."""
+        first = int(layers[0])
+        run = slice(first, int(layers[-1]) + 1)
+        rows = layers - first  # [m]
+        holder = self.holder[run]  # [J, C] view
+        J, C = holder.shape
+        wanted = torch.bincount(rows, minlength=J)  # [J]
+        empty = holder < 0
+        need = wanted - empty.sum(1)
+        evicted = int(need.clamp(min=0).sum())
+        if evicted:
+            P = self.num_prompt
+            marks = protected[run].flatten(1)
+            marks = torch.where((marks >= 0) & (marks < P), marks, P)  # column P: ignored
+            guard = torch.zeros(J, P + 1, dtype=torch.bool).scatter_(1, marks, True)
+            movable = ~empty & ~guard.gather(1, holder.clamp(min=0))
+            short = (movable.sum(1) < need).nonzero().flatten()
+            if len(short):  # prompt_capacity() rules this out
+                j = int(short[0])
+                raise RuntimeError(f"host cache of {self.namespace!r}, layer {first + j}: "
+                                   f"{int(wanted[j])} blocks to fetch, {int(empty[j].sum())} "
+                                   f"free and {int(movable[j].sum())} evictable slots")
+            age = torch.where(movable, self.last_used[run].gather(1, holder.clamp(min=0)),
                               torch.iinfo(torch.long).max)
-            victims = torch.argsort(age, stable=True)[:need]
-            self.where[layer, holder[victims]] = -1
-            holder[victims] = -1
-            evicted = need
-            free = (holder < 0).nonzero().flatten()
-        idx = free[:len(incoming)]
-        holder[idx] = incoming
-        slots = self.prompt_slots[idx]
-        self.where[layer, incoming] = slots
-        self.peak = max(self.peak, self.resident(layer))
+            order = torch.argsort(age, dim=1, stable=True)  # [J, C] least recent first
+            vrows, ranks = (torch.arange(C) < need[:, None]).nonzero(as_tuple=True)
+            victims = order[vrows, ranks]
+            self.where[run][vrows, holder[vrows, victims]] = -1
+            holder[vrows, victims] = -1
+            empty = holder < 0
+        # the k-th incoming block of a layer takes the layer's k-th empty slot
+        erows, cols = empty.nonzero(as_tuple=True)
+        counts = empty.sum(1)
+        rank = torch.arange(len(erows)) - (torch.cumsum(counts, 0) - counts)[erows]
+        cols = cols[rank < wanted[erows]]
+        holder[rows, cols] = incoming
+        slots = self.prompt_slots[cols]
+        self.where[run][rows, incoming] = slots
+        held = int((holder >= 0).sum(1).max())
+        self.peak = max(self.peak, held + self.where.shape[1] - self.num_prompt)
         return slots, evicted
 
-    def forget(self, layer: int, blocks: torch.Tensor) -> None:
-        """Undoes make_room for blocks whose fetch failed: their host blocks hold nothing."""
-        slots = self.where[layer, blocks]
-        self.where[layer, blocks] = -1
-        self.holder[layer][torch.isin(self.prompt_slots, slots)] = -1
+    def forget(self, layers: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Undoes make_room for blocks ([m] each) whose fetch failed: their host blocks hold
+        nothing."""
+        slots = self.where[layers, blocks]
+        self.where[layers, blocks] = -1
+        cols = (self.prompt_slots[None, :] == slots[:, None]).int().argmax(1)
+        self.holder[layers, cols] = -1

@@ -90,8 +90,8 @@ class FetchResult:
 
 @dataclass(eq=False)  # compared by identity
 class _Want:
-    layer: int
     cache: HostCache
+    layers: torch.Tensor  # [m] layer of each block to fetch
     blocks: torch.Tensor  # [m] logical blocks to fetch
     slots: torch.Tensor  # [m] host blocks they go to
 
@@ -216,25 +216,31 @@ class RemoteTier:
         self.remove(slab_namespace)
         return slab.view(num_layers, top_k, *slab.shape[1:])
 
-    def fetch(self, wants: list[tuple[int, HostCache, torch.Tensor, torch.Tensor]]
+    def fetch(self, wants: list[tuple[HostCache, torch.Tensor, torch.Tensor, torch.Tensor]]
               ) -> FetchResult:
-        """For each (layer, cache, protected [*], blocks [m]): the logical prompt blocks of
-        `blocks` that are not on the host in `layer` get host blocks (LRU eviction outside
-        `protected`) and are read from the store, in one call for all requests and layers
-        (a store call costs far more than a block: 0.3 ms for 1 block, 2.4 for 24 over
-        Mooncake's TCP here). A request whose read fails gets `cache.error`, and its blocks
-        stay off the host."""
+        """For each (cache, layers [m], blocks [m], protected [L, *]): the logical prompt
+        blocks (layers[i], blocks[i]) that are not on the host get host blocks (LRU eviction
+        outside protected[layer], each layer's working sets) and are read from the store, in
+        one call for all requests and layers (a store call costs far more than a block: 0.3 ms
+        for 1 block, 2.4 for 24 over Mooncake's TCP here). A request whose read fails gets
+        `cache.error`, and its blocks stay off the host."""
         result = FetchResult()
         plan = []
-        for layer, cache, protected, blocks in wants:
-            missing = blocks[cache.where[layer, blocks] < 0]
-            if len(missing):
-                slots, evicted = cache.make_room(layer, missing, protected)
+        for cache, layers, blocks, protected in wants:
+            n = cache.where.shape[1]
+            pairs = torch.unique(layers * n + blocks)  # distinct, sorted by layer
+            layers, blocks = pairs // n, pairs % n
+            missing = cache.where[layers, blocks] < 0
+            if missing.any():
+                layers, blocks = layers[missing], blocks[missing]
+                slots, evicted = cache.make_room(layers, blocks, protected)
                 result.evictions += evicted
-                plan.append(_Want(layer, cache, missing, slots))
+                plan.append(_Want(cache, layers, blocks, slots))
         for want, error in self._get(plan, result):
-            want.cache.forget(want.layer, want.blocks)
-            want.cache.error = (f"remote tier: fetching blocks of layer {want.layer} failed: "
+            want.cache.forget(want.layers, want.blocks)
+            lo, hi = int(want.layers.min()), int(want.layers.max())
+            where = f"layer {lo}" if lo == hi else f"layers {lo}-{hi}"
+            want.cache.error = (f"remote tier: fetching blocks of {where} failed: "
                                 f"{type(error).__name__}: {error}")
         return result
 
@@ -243,7 +249,8 @@ class RemoteTier:
         """Reads the plan's blocks into their host blocks; returns the wants that failed."""
         if not plan:
             return []
-        keys = [BlockKey(w.cache.namespace, w.layer, int(b)) for w in plan for b in w.blocks]
+        keys = [BlockKey(w.cache.namespace, layer, b) for w in plan
+                for layer, b in zip(w.layers.tolist(), w.blocks.tolist(), strict=True)]
         try:
             out = self.store.get_blocks(keys)  # [n, 2, Hkv, B, d]
         except RemoteStoreError as e:
@@ -255,8 +262,7 @@ class RemoteTier:
             rest = [w for w in plan if w not in blamed]
             return [(w, e) for w in blamed] + self._get(rest, result)
         B = self.block_size
-        layers = torch.tensor([w.layer for w in plan]).repeat_interleave(
-            torch.tensor([len(w.blocks) for w in plan]) * B)  # [n*B] each token's layer
+        layers = torch.cat([w.layers for w in plan]).repeat_interleave(B)  # [n*B]
         tokens = self._tokens(torch.cat([w.slots for w in plan]))  # [n*B]
         # [L, host tokens, 2, Hkv, d] view: (layer, token) pairs index whole rows
         self.host_kv.permute(0, 3, 1, 2, 4)[layers, tokens] = \

@@ -207,10 +207,10 @@ class SelectJob:
         for i, ws in enumerate(wss):
             ws.head_map[self.run], ws.last_used[self.run] = head_map[:, i], last_used[:, i]
             past_k = int(self.lengths[i]) > K
-            for j, layer in enumerate(self.layers):
+            for layer in self.layers:
                 ws.seeded[layer] = ws.seeded[layer] or past_k
-                if self.caches[i] is not None:  # the host cache's LRU follows the selections
-                    self.caches[i].touch(layer, self.predicted[j, i].flatten(), self.step)
+            if self.caches[i] is not None:  # the host cache's LRU follows the selections
+                self.caches[i].touch(self.layers[0], self.predicted[:, i].flatten(1), self.step)
         kv._count(predicted=int(sel.predicted.sum()), hits=int(sel.hits.sum()),
                   wanted=int(sel.wanted.sum()), admitted=len(sel.slots))
         self.layer_of, self.requests = sel.requests // R, sel.requests % R
@@ -230,20 +230,19 @@ class SelectJob:
             self.src = self.ids[self.requests, self.blocks] * kv.cfg.block_size
             return
         wants = []
+        layers = self.layer_of + self.layers[0]  # [A]
         for r, cache in enumerate(self.caches):
             if cache is None:
                 raise RuntimeError(f"request {self.picks[r][0].seq.request_id} decodes "
                                    "without a host cache (its prompt never went to the store)")
-            for j, layer in enumerate(self.layers):
-                mine = (self.requests == r) & (self.layer_of == j)
-                if mine.any():
-                    wants.append((layer, cache, self.working_sets[r].head_map[layer].flatten(),
-                                  self.blocks[mine].unique()))
+            mine = self.requests == r
+            if mine.any():
+                wants.append((cache, layers[mine], self.blocks[mine],
+                               self.working_sets[r].head_map.flatten(1)))
         got = kv.remote.fetch(wants)
         kv._count(remote_bytes=got.bytes, remote_blocks=got.blocks,
                   host_evictions=got.evictions)
         host = torch.empty_like(self.blocks)  # [A]
-        layers = self.layer_of + self.layers[0]
         for r, cache in enumerate(self.caches):
             mine = self.requests == r
             host[mine] = cache.where[layers[mine], self.blocks[mine]]

@@ -61,20 +61,56 @@ def test_make_room_evicts_least_recently_selected_unprotected_prompt_blocks():
     for layer in (0, 1):  # the most recent prompt blocks stay, generated ones always
         assert cache.where[layer].tolist() == [-1] * 5 + [105, 106, 107, 108, 109]
     assert cache.budget == 5 and sorted(cache.owned) == list(range(105, 110))
-    cache.touch(0, torch.tensor([7, 5, -2, 9]), step=3)  # layer 0: block 6 is now the LRU
-    slots, evicted = cache.make_room(0, torch.tensor([1]), torch.tensor([-1]))
+    cache.touch(0, torch.tensor([[7, 5, -2, 9]]), step=3)  # layer 0: block 6 is now the LRU
+    layer0 = torch.tensor([0])
+
+    def protect(*blocks):  # [L, *]: layer 0's working sets; layer 1's are not read
+        return torch.tensor([list(blocks), [-1] * len(blocks)])
+
+    slots, evicted = cache.make_room(layer0, torch.tensor([1]), protect(-1))
     assert (slots.tolist(), evicted) == ([106], 1)
     assert cache.where[0, :8].tolist() == [-1, 106, -1, -1, -1, 105, -1, 107]
     assert cache.where[1, 5:8].tolist() == [105, 106, 107]  # other layers untouched
     # block 1 is older than 5 and 7, but protected (in a working set), like 5
-    assert cache.make_room(0, torch.tensor([2]), torch.tensor([5, 1]))[1] == 1
+    assert cache.make_room(layer0, torch.tensor([2]), protect(5, 1))[1] == 1
     assert cache.where[0, [1, 2, 5, 7]].tolist() == [106, 107, 105, -1]
-    with pytest.raises(RuntimeError, match="evictable"):  # everything resident is protected
-        cache.make_room(0, torch.tensor([3, 4]), torch.tensor([1, 2, 5]))
-    cache.forget(0, torch.tensor([2]))  # a failed fetch leaves its slot empty
+    with pytest.raises(RuntimeError, match="layer 0: 2 blocks to fetch, 0 free and 0 evict"):
+        cache.make_room(torch.tensor([0, 0]), torch.tensor([3, 4]), protect(1, 2, 5))
+    cache.forget(layer0, torch.tensor([2]))  # a failed fetch leaves its slot empty
     assert cache.resident(0) == 4 and cache.resident() == cache.peak == 5
-    slots, evicted = cache.make_room(0, torch.tensor([3]), torch.tensor([-1]))
+    slots, evicted = cache.make_room(layer0, torch.tensor([3]), protect(-1))
     assert (slots.tolist(), evicted) == ([107], 0)
+
+
+def test_making_room_in_several_layers_at_once_equals_one_layer_at_a_time():
+    """A job's remote stage makes room in all its layers in one call: each layer evicts and
+    fills as if it were alone, whatever the other layers need."""
+    g = torch.Generator().manual_seed(0)
+    L, P, C = 4, 20, 6
+    caches = [HostCache.create("r", list(range(100, 100 + P + 2)), L, P, C) for _ in range(2)]
+    for step in range(1, 4):  # selections give every layer its own LRU order
+        picks = torch.randint(0, P, (L, 5), generator=g)
+        for cache in caches:
+            cache.touch(0, picks, step)
+    protected = torch.randint(-1, P, (L, 4), generator=g)
+    incoming = {0: [2, 5, 11], 1: [], 2: [0, 1, 3, 4, 6, 7], 3: [9]}  # layer 2: all C slots
+    for layer, blocks in incoming.items():
+        keep = [b for b in blocks if caches[0].where[layer, b] < 0]
+        incoming[layer] = [b for b in keep if b not in protected[layer].tolist()][:C - 2]
+    layers = torch.tensor([layer for layer, bs in incoming.items() for _ in bs])
+    blocks = torch.tensor([b for bs in incoming.values() for b in bs])
+    slots, evicted = caches[0].make_room(layers, blocks, protected)
+    one_by_one, total = [], 0
+    for layer, bs in incoming.items():
+        if bs:
+            s, e = caches[1].make_room(torch.tensor([layer] * len(bs)), torch.tensor(bs),
+                                       protected)
+            one_by_one.append(s)
+            total += e
+    assert torch.equal(slots, torch.cat(one_by_one)) and evicted == total > 0
+    for name in ("where", "holder"):
+        assert torch.equal(getattr(caches[0], name), getattr(caches[1], name))
+    assert caches[0].peak == caches[1].peak
 
 
 def budget(engine, seq, f_host: float) -> int:
