@@ -17,8 +17,13 @@ FP32_GEMV_ROWS = 2  # float32: up to this many rows `W @ x.T` beats the packed w
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and weight.dtype in (torch.float32, torch.bfloat16))
+    """oneDNN packs float32 on any x86 CPU, bfloat16 only where it has a bf16 path
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: not on an AVX2-only CPU)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return weight.dtype == torch.float32
 
 
 class Linear(nn.Linear):
