@@ -154,8 +154,7 @@ class HostCache:
         holder[rows, cols] = incoming
         slots = self.prompt_slots[cols]
         self.where[run][rows, incoming] = slots
-        held = int((holder >= 0).sum(1).max())
-        self.peak = max(self.peak, held + self.where.shape[1] - self.num_prompt)
+        self.peak = max(self.peak, self.resident())  # other layers are unchanged
         return slots, evicted
 
     def forget(self, layers: torch.Tensor, blocks: torch.Tensor) -> None:
