@@ -204,6 +204,7 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
         recorded = []
         history: dict[str, list[int]] = {f"{k}/{d}": [] for k, d in keys}
         step_recall: dict[str, list[float]] = {}
+        was_right: dict[tuple[int, str], bool] = {}  # the last step's first drafts
         layers = engine.model_config.num_layers
         for t in range(spec.steps + 1):
             predict = t < spec.steps
@@ -220,8 +221,10 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
                                                            spec.temperature)
             normal, draft_logits = decode_step(engine, seq, drafts, probe, predict, t > 0,
                                                eagle, weights)
-            for (k, pred, d), total in probe.step_recall.items():
+            for (k, pred, d), total in probe.step_recall.items():  # the last step's predictions
                 step_recall.setdefault(f"{k}/{pred}/{d}".rstrip("/"), []).append(total / layers)
+                if (k, d) in was_right:
+                    totals.add_by_draft((k, pred, d), was_right[(k, d)], total / layers)
             token = int(normal.argmax())
             if trajectory is not None and t + 1 < len(trajectory):
                 totals.greedy_mismatches += spec.temperature == 0 and token != trajectory[t + 1]
@@ -229,7 +232,8 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
             if predict:
                 totals.draft_steps += 1
                 for key, tokens in drafts.items():
-                    totals.draft_hits[key] = totals.draft_hits.get(key, 0) + (tokens[0] == token)
+                    was_right[key] = tokens[0] == token
+                    totals.draft_hits[key] = totals.draft_hits.get(key, 0) + was_right[key]
                     totals.any_draft_hits[key] = (totals.any_draft_hits.get(key, 0)
                                                   + (token in tokens))
                     history[f"{key[0]}/{key[1]}"].append(tokens[0])
@@ -278,6 +282,9 @@ def summarize_totals(totals: Totals, spec: RecallSpec) -> list[dict]:
                 row["draft_accuracy"] = totals.draft_hits.get((k, key[2]), 0) / steps
                 if spec.num_drafts > 1:
                     row["any_draft_right"] = totals.any_draft_hits.get((k, key[2]), 0) / steps
+                for name, split in (("right", totals.when_right), ("wrong", totals.when_wrong)):
+                    total, n = split.get(key, (0.0, 0))
+                    row[f"recall_draft_{name}"] = total / n if n else None
             if key[1] == "exact" and totals.churn.get(k):
                 samples = torch.cat(totals.churn[k])
                 row["churn"] = float(samples.mean())
@@ -288,7 +295,8 @@ def summarize_totals(totals: Totals, spec: RecallSpec) -> list[dict]:
 
 COLUMNS = [("top_k", "K"), ("predictor", "predictor"), ("drafter", "drafter"),
            ("recall", "recall"), ("recall_worst_layer", "worst layer"),
-           ("draft_accuracy", "draft right"), ("any_draft_right", "any draft right"),
+           ("draft_accuracy", "draft right"), ("recall_draft_right", "recall | right"),
+           ("recall_draft_wrong", "recall | wrong"), ("any_draft_right", "any draft right"),
            ("mass", "attn mass"), ("churn", "churn mean"),
            ("churn_p90", "churn p90")]
 
@@ -380,7 +388,9 @@ def run_recall_eval(args: argparse.Namespace) -> list[dict]:
           f"trajectory {trajectory}\n")
     print(markdown_table(rows, [c for c in COLUMNS if any(c[0] in r for r in rows)]))
     print(f"\nrecall = |predicted ∩ exact next-step top-K| / K (mean over layers, KV heads, "
-          f"steps, prompts); attn mass = share of the next token's attention over complete "
+          f"steps, prompts); recall | right / wrong = the same over the steps whose first "
+          f"draft was right / wrong (recall = draft right x the one + the rest x the other); "
+          f"attn mass = share of the next token's attention over complete "
           f"blocks inside the predicted blocks; churn = |E_t+1 \\ E_t| / K. Greedy "
           f"mismatches: {totals.greedy_mismatches}. {elapsed:.0f} s.")
     payload = {"eval": "recall", "model": args.model, "dtype": args.dtype,

@@ -67,11 +67,20 @@ class Totals:
     churn: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     draft_hits: dict[tuple[int, str], int] = field(default_factory=dict)
     any_draft_hits: dict[tuple[int, str], int] = field(default_factory=dict)
+    # lookahead rows: (recall sum, steps) of the steps whose first draft was right / wrong
+    when_right: dict[RowKey, list[float]] = field(default_factory=dict)
+    when_wrong: dict[RowKey, list[float]] = field(default_factory=dict)
     draft_steps: int = 0
     greedy_mismatches: int = 0
 
     def __post_init__(self) -> None:
         self.scored = torch.zeros(self.num_layers, dtype=torch.float64)
+
+    def add_by_draft(self, key: RowKey, right: bool, step_recall: float) -> None:
+        """One scored step of a lookahead row, apart by whether its first draft was right."""
+        split = (self.when_right if right else self.when_wrong).setdefault(key, [0.0, 0])
+        split[0] += step_recall
+        split[1] += 1
 
     def add(self, key: RowKey, layer: int, r: float | torch.Tensor,
             m: float | torch.Tensor) -> None:

@@ -193,6 +193,33 @@ def test_totals_average_per_layer_and_take_the_churn_percentile():
     assert rows["exact"]["churn_p90"] == pytest.approx(0.81)
 
 
+def test_recall_apart_by_whether_the_first_draft_was_right(llm):
+    """recall | right and | wrong: the mean step recall over the steps whose first draft did
+    or did not guess the next token, worked out again from the per-step figures; together,
+    weighted by the draft accuracy, they make the row's recall."""
+    spec = RecallSpec([2, 4], ["lookahead"], ["self", "ngram"], steps=12)
+    result = run_recall(llm, [{"ids": prompt_ids()}], spec, progress=False)
+    p = result["prompts"][0]
+    both = 0
+    for row in result["rows"]:
+        if row["predictor"] != "lookahead":
+            continue
+        k, d = row["top_k"], row["drafter"]
+        drafts, recall = p["drafts"][f"{k}/{d}"], p["step_recall"][f"{k}/lookahead/{d}"]
+        right = [r for j, r in enumerate(recall) if drafts[j] == p["output_ids"][j + 1]]
+        wrong = [r for j, r in enumerate(recall) if drafts[j] != p["output_ids"][j + 1]]
+        assert len(right) + len(wrong) == spec.steps
+        for name, steps in (("right", right), ("wrong", wrong)):
+            want = sum(steps) / len(steps) if steps else None
+            assert row[f"recall_draft_{name}"] == pytest.approx(want), (row, name)
+        a = len(right) / spec.steps
+        assert row["draft_accuracy"] == pytest.approx(a)
+        assert row["recall"] == pytest.approx(a * (row["recall_draft_right"] or 0)
+                                              + (1 - a) * (row["recall_draft_wrong"] or 0))
+        both += bool(right and wrong)
+    assert both  # some row has steps of each kind
+
+
 # ---- the command ---------------------------------------------------------------------------
 
 def test_cli_end_to_end_writes_json_and_plot(tiny_llama, tmp_path, monkeypatch, capsys):
