@@ -93,13 +93,14 @@ def prefix_kv_files(engine, prompts: list[list[int]], cache_dir: Path,
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
-    """columns: (key, header). Floats get 3 significant digits."""
+    """columns: (key, header). Floats get 3 significant digits; a "|" inside a header or cell
+    is escaped, so it cannot split the column."""
     def fmt(v: object) -> str:
         if isinstance(v, float):
             return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-        return "" if v is None else str(v)
+        return "" if v is None else str(v).replace("|", "\\|")
 
-    head = "| " + " | ".join(h for _, h in columns) + " |"
+    head = "| " + " | ".join(fmt(h) for _, h in columns) + " |"
     sep = "|" + "|".join("---" for _ in columns) + "|"
     body = ["| " + " | ".join(fmt(r.get(k)) for k, _ in columns) + " |" for r in rows]
     return "\n".join([head, sep, *body])

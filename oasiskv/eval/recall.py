@@ -295,8 +295,8 @@ def summarize_totals(totals: Totals, spec: RecallSpec) -> list[dict]:
 
 COLUMNS = [("top_k", "K"), ("predictor", "predictor"), ("drafter", "drafter"),
            ("recall", "recall"), ("recall_worst_layer", "worst layer"),
-           ("draft_accuracy", "draft right"), ("recall_draft_right", "recall | right"),
-           ("recall_draft_wrong", "recall | wrong"), ("any_draft_right", "any draft right"),
+           ("draft_accuracy", "draft right"), ("recall_draft_right", "recall if right"),
+           ("recall_draft_wrong", "recall if wrong"), ("any_draft_right", "any draft right"),
            ("mass", "attn mass"), ("churn", "churn mean"),
            ("churn_p90", "churn p90")]
 
@@ -388,7 +388,7 @@ def run_recall_eval(args: argparse.Namespace) -> list[dict]:
           f"trajectory {trajectory}\n")
     print(markdown_table(rows, [c for c in COLUMNS if any(c[0] in r for r in rows)]))
     print(f"\nrecall = |predicted ∩ exact next-step top-K| / K (mean over layers, KV heads, "
-          f"steps, prompts); recall | right / wrong = the same over the steps whose first "
+          f"steps, prompts); recall if right / wrong = the same over the steps whose first "
           f"draft was right / wrong (recall = draft right x the one + the rest x the other); "
           f"attn mass = share of the next token's attention over complete "
           f"blocks inside the predicted blocks; churn = |E_t+1 \\ E_t| / K. Greedy "

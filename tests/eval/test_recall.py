@@ -194,7 +194,7 @@ def test_totals_average_per_layer_and_take_the_churn_percentile():
 
 
 def test_recall_apart_by_whether_the_first_draft_was_right(llm):
-    """recall | right and | wrong: the mean step recall over the steps whose first draft did
+    """recall if right and if wrong: the mean step recall over the steps whose first draft did
     or did not guess the next token, worked out again from the per-step figures; together,
     weighted by the draft accuracy, they make the row's recall."""
     spec = RecallSpec([2, 4], ["lookahead"], ["self", "ngram"], steps=12)
