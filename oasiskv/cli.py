@@ -396,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="model alias, HF directory or .gguf file")
     rec.add_argument("--context", type=int, default=7000, help="prompt length in tokens")
     rec.add_argument("--prompts", type=int, default=3,
-                     help="how many of the 3 fixed Austen prompts to run")
+                     help="how many of the 12 fixed Austen prompts to run (the study protocol: 3)")
     rec.add_argument("--steps", type=int, default=48, help="scored step transitions")
     rec.add_argument("--top-k", default="32,128", help="K values (blocks per KV head)")
     rec.add_argument("--predictor", default="lookahead,previous",

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -38,13 +40,19 @@ from oasiskv.context import SeqAttention, set_context
 from oasiskv.data.austen import austen_text
 from oasiskv.data.passages import paragraph_prompt
 from oasiskv.engine.sequence import Sequence
-from oasiskv.eval.recall_probe import RecallProbe, Totals, reranked
+from oasiskv.eval.recall_probe import RecallProbe, RowKey, Totals, reranked
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.spec.drafters import Drafter, chained_draft, make_drafter, sampling_weights
 
 # (novel, character offset): each prompt starts at the first paragraph at or after the offset.
-PROMPTS: tuple[tuple[str, int], ...] = (("prideprejudice", 206_230), ("emma", 265_135),
-                                        ("persuasion", 140_517))
+# (novel, character offset): the first three are the study protocol (the default); the rest
+# cover all six novels, Persuasion (the drafter's held-out novel) among them, for `--prompts`
+# up to 12 when the spread between passages matters.
+PROMPTS: tuple[tuple[str, int], ...] = (
+    ("prideprejudice", 206_230), ("emma", 265_135), ("persuasion", 140_517),
+    ("sensesensibility", 300_000), ("mansfieldpark", 400_000), ("northangerabbey", 200_000),
+    ("persuasion", 320_000), ("prideprejudice", 450_000), ("emma", 600_000),
+    ("sensesensibility", 520_000), ("mansfieldpark", 700_000), ("northangerabbey", 40_000))
 PREDICTORS = ("lookahead", "previous")
 ORACLE = "oracle"
 
@@ -203,7 +211,7 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
         last_draft: dict[tuple[int, str], int] = {}
         recorded = []
         history: dict[str, list[int]] = {f"{k}/{d}": [] for k, d in keys}
-        step_recall: dict[str, list[float]] = {}
+        step_recall: dict[RowKey, list[float]] = {}
         was_right: dict[tuple[int, str], bool] = {}  # the last step's first drafts
         layers = engine.model_config.num_layers
         for t in range(spec.steps + 1):
@@ -222,7 +230,7 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
             normal, draft_logits = decode_step(engine, seq, drafts, probe, predict, t > 0,
                                                eagle, weights)
             for (k, pred, d), total in probe.step_recall.items():  # the last step's predictions
-                step_recall.setdefault(f"{k}/{pred}/{d}".rstrip("/"), []).append(total / layers)
+                step_recall.setdefault((k, pred, d), []).append(total / layers)
                 if (k, d) in was_right:
                     totals.add_by_draft((k, pred, d), was_right[(k, d)], total / layers)
             token = int(normal.argmax())
@@ -248,9 +256,12 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
                 bar.update(1)
     finally:
         engine.abort(seq.request_id)
+    for key, steps in step_recall.items():
+        totals.prompt_recall.setdefault(key, []).append(sum(steps) / len(steps))
     out = {"prefill_s": prefill_s, "total_s": time.perf_counter() - t_start,
            "output_ids": seq.output_token_ids[:spec.steps + 1], "drafts": history,
-           "step_recall": step_recall}
+           "step_recall": {f"{k}/{pred}/{d}".rstrip("/"): steps
+                           for (k, pred, d), steps in step_recall.items()}}
     if record:
         out["steps"] = recorded
     return out
@@ -274,6 +285,7 @@ def summarize_totals(totals: Totals, spec: RecallSpec) -> list[dict]:
             per_layer = (totals.recall[key] / scored).tolist()
             row = {"top_k": k, "predictor": key[1], "drafter": key[2] or None,
                    "recall": sum(per_layer) / len(per_layer), "recall_worst_layer": min(per_layer),
+                   "recall_se": standard_error(totals.prompt_recall.get(key, [])),
                    "mass": float((totals.mass[key] / scored).mean()),
                    "per_layer_recall": per_layer,
                    "per_layer_mass": (totals.mass[key] / scored).tolist()}
@@ -293,8 +305,15 @@ def summarize_totals(totals: Totals, spec: RecallSpec) -> list[dict]:
     return rows
 
 
+def standard_error(means: list[float]) -> float | None:
+    """The standard error of the mean of per-prompt means (their sample s.d. / sqrt(n)): how far
+    the row's recall may move with other passages. None below two prompts."""
+    n = len(means)
+    return statistics.stdev(means) / math.sqrt(n) if n > 1 else None
+
+
 COLUMNS = [("top_k", "K"), ("predictor", "predictor"), ("drafter", "drafter"),
-           ("recall", "recall"), ("recall_worst_layer", "worst layer"),
+           ("recall", "recall"), ("recall_se", "± s.e."), ("recall_worst_layer", "worst layer"),
            ("draft_accuracy", "draft right"), ("recall_draft_right", "recall if right"),
            ("recall_draft_wrong", "recall if wrong"), ("any_draft_right", "any draft right"),
            ("mass", "attn mass"), ("churn", "churn mean"),
@@ -388,11 +407,11 @@ def run_recall_eval(args: argparse.Namespace) -> list[dict]:
           f"trajectory {trajectory}\n")
     print(markdown_table(rows, [c for c in COLUMNS if any(c[0] in r for r in rows)]))
     print(f"\nrecall = |predicted ∩ exact next-step top-K| / K (mean over layers, KV heads, "
-          f"steps, prompts); recall if right / wrong = the same over the steps whose first "
-          f"draft was right / wrong (recall = draft right x the one + the rest x the other); "
-          f"attn mass = share of the next token's attention over complete "
-          f"blocks inside the predicted blocks; churn = |E_t+1 \\ E_t| / K. Greedy "
-          f"mismatches: {totals.greedy_mismatches}. {elapsed:.0f} s.")
+          f"steps, prompts); ± s.e. = standard error over the prompts' means; recall if "
+          f"right / wrong = the same over the steps whose first draft was right / wrong "
+          f"(recall = draft right x the one + the rest x the other); attn mass = share of the "
+          f"next token's attention over complete blocks inside the predicted blocks; churn = "
+          f"|E_t+1 \\ E_t| / K. Greedy mismatches: {totals.greedy_mismatches}. {elapsed:.0f} s.")
     payload = {"eval": "recall", "model": args.model, "dtype": args.dtype,
                "context": args.context, "steps": spec.steps, "block_size": args.block_size,
                "top_k": spec.top_ks, "predictors": spec.predictors, "drafters": spec.drafters,

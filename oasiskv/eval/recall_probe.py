@@ -70,6 +70,7 @@ class Totals:
     # lookahead rows: (recall sum, steps) of the steps whose first draft was right / wrong
     when_right: dict[RowKey, list[float]] = field(default_factory=dict)
     when_wrong: dict[RowKey, list[float]] = field(default_factory=dict)
+    prompt_recall: dict[RowKey, list[float]] = field(default_factory=dict)  # per prompt: mean
     draft_steps: int = 0
     greedy_mismatches: int = 0
 

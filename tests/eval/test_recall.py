@@ -252,12 +252,15 @@ def test_cli_end_to_end_writes_json_and_plot(tiny_llama, tmp_path, monkeypatch, 
         key = "/".join(str(x) for x in (row["top_k"], row["predictor"], row["drafter"]) if x)
         per_step = [v for p in data["prompts"] for v in p["step_recall"][key]]
         assert len(per_step) == 2 * 4 and sum(per_step) / 8 == pytest.approx(row["recall"])
+        # two prompts' means a and b: s.d. |a - b| / sqrt(2), over sqrt(2) -> |a - b| / 2
+        a, b = (sum(p["step_recall"][key]) / 4 for p in data["prompts"])
+        assert row["recall_se"] == pytest.approx(abs(a - b) / 2)
     for p in data["prompts"]:
         assert len(p["output_ids"]) == 5 and all(len(d) == 4 for d in p["drafts"].values())
         assert p["drafts"]["2/oracle"] == p["output_ids"][1:]
     assert all(r["draft_accuracy"] == 1.0 for r in data["rows"] if r["drafter"] == "oracle")
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| K | predictor | drafter | recall |" in out.out
+    assert "| K | predictor | drafter | recall | ± s.e. |" in out.out
 
 
 def test_eagle_drafter_reads_the_prompt_and_each_steps_features(llm, tiny_eagle):
