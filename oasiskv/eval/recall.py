@@ -45,9 +45,8 @@ from oasiskv.sampling_params import SamplingParams
 from oasiskv.spec.drafters import Drafter, chained_draft, make_drafter, sampling_weights
 
 # (novel, character offset): each prompt starts at the first paragraph at or after the offset.
-# (novel, character offset): the first three are the study protocol (the default); the rest
-# cover all six novels, Persuasion (the drafter's held-out novel) among them, for `--prompts`
-# up to 12 when the spread between passages matters.
+# The first three are the study protocol (the default); the rest cover all six novels,
+# Persuasion (the drafter's held-out novel) among them, for `--prompts` up to 12.
 PROMPTS: tuple[tuple[str, int], ...] = (
     ("prideprejudice", 206_230), ("emma", 265_135), ("persuasion", 140_517),
     ("sensesensibility", 300_000), ("mansfieldpark", 400_000), ("northangerabbey", 200_000),
