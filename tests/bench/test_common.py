@@ -1,20 +1,11 @@
+import re
+
 from oasiskv.bench.common import markdown_table
 
 
 def cells(line: str) -> list[str]:
     """A markdown table row's cells, split at the pipes that are not escaped."""
-    parts, cell, i = [], "", 1
-    while i < len(line) - 1:
-        if line[i] == "\\" and line[i + 1] == "|":
-            cell, i = cell + "|", i + 2
-            continue
-        if line[i] == "|":
-            parts.append(cell.strip())
-            cell = ""
-        else:
-            cell += line[i]
-        i += 1
-    return [*parts, cell.strip()]
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
 
 
 def test_every_row_has_one_cell_per_column_even_with_pipes_in_the_text():
