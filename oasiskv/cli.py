@@ -204,6 +204,7 @@ def _cmd_eval_fidelity(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
+    from oasiskv.bench.common import markdown_table
     from oasiskv.engine.engine import LLMEngine
     from oasiskv.spec.train import TrainSpec, run
 
@@ -228,6 +229,9 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
           f"{held['greedy_accuracy']:.3f}, sampled T=0.7 {held['sampled_accuracy']:.3f} "
           f"(unigram baseline {held['unigram_accuracy']:.3f}); "
           f"last training chunks: {result['train_last']['greedy_accuracy']:.3f}")
+    print(markdown_table(held["by_confidence"], [
+        ("target_p", "target's T=0.7 p of its greedy token"), ("share", "share of rows"),
+        ("greedy_accuracy", "draft right")]))
     own_greedy, own_sampled = result["heldout_own_greedy"], result["heldout_own_sampled"]
     print(f"the target's own continuations of {spec.heldout} passages (what it drafts for at "
           f"run time): greedy decoding {own_greedy['greedy_accuracy']:.3f} "

@@ -214,3 +214,18 @@ def test_train_drafter_flags_reach_the_spec(monkeypatch, tiny_llama, tmp_path):
     assert (spec.epochs, spec.soft_weight, spec.feature_weight, spec.weight_decay,
             spec.feature_noise) == (3, 0.5, 2.0, 0.1, 0.2)
     assert seen["aux"] == [0, 1]
+
+
+def test_train_drafter_prints_the_held_out_figures(monkeypatch, tiny_llama, tiny_eagle, tmp_path,
+                                                   capsys):
+    import oasiskv.spec.train as train
+
+    out, result = tiny_eagle
+    monkeypatch.setattr(train, "run", lambda engine, spec, aux: result)
+    main(["train-drafter", "--model", str(tiny_llama), "--out", str(out), "--json",
+          str(tmp_path / "r.json")])
+    printed = capsys.readouterr().out
+    assert f"draft accuracy greedy {result['heldout']['greedy_accuracy']:.3f}" in printed
+    rows = [line for line in printed.splitlines() if line.startswith("| [")]
+    assert len(rows) == 5 and rows[-1].startswith("| [0.9, 1.0] |")
+    assert json.loads((tmp_path / "r.json").read_text())["heldout"] == result["heldout"]

@@ -370,6 +370,8 @@ def train_head(head: EagleHead, data: dict[str, torch.Tensor], spec: TrainSpec,
 
 
 LOOP_NGRAM = 4
+# held-out rows by the target's own T=0.7 probability of its greedy token: where the head misses
+CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
 
 
 def in_loop(tokens: torch.Tensor, n: int = LOOP_NGRAM) -> torch.Tensor:
@@ -390,10 +392,14 @@ def in_loop(tokens: torch.Tensor, n: int = LOOP_NGRAM) -> torch.Tensor:
 def evaluate(head: EagleHead, data: dict[str, torch.Tensor], batch: int = 4,
              start: int = 1) -> dict:
     """Held-out figures over rows p >= start (x_p known, x_{p+1} drafted): greedy accuracy
-    (also over the rows outside loops, see `in_loop`), sampled (T=0.7) acceptance, and the
-    unigram baseline's greedy accuracy."""
+    (also over the rows outside loops, see `in_loop`), sampled (T=0.7) acceptance, the
+    unigram baseline's greedy accuracy and, with the target's log-probabilities, the greedy
+    accuracy by the target's confidence (`by_confidence`: its T=0.7 probability of its own
+    greedy token, bins of CONFIDENCE_EDGES)."""
     positions = torch.arange(1, data["tokens"].shape[1])
     right = sampled = rows = fresh_right = fresh = 0.0
+    bins = len(CONFIDENCE_EDGES) - 1
+    bin_rows, bin_right = torch.zeros(bins), torch.zeros(bins)
     for i in range(0, len(data["tokens"]), batch):
         index = torch.arange(i, min(i + batch, len(data["tokens"])))
         tokens, features, greedy = head_inputs(data, index)
@@ -407,6 +413,12 @@ def evaluate(head: EagleHead, data: dict[str, torch.Tensor], batch: int = 4,
         if "top_ids" in data:
             hit = data["top_ids"][index, start:].long() == draft[..., None]  # [b, rows, T]
             sampled += (data["top_logp"][index, start:].exp() * hit).sum().item()
+            confidence = data["top_logp"][index, start:, 0].exp()  # [b, rows]
+            which = torch.bucketize(confidence, torch.tensor(CONFIDENCE_EDGES[1:-1]),
+                                    right=True).flatten()
+            bin_rows += torch.bincount(which, minlength=bins)
+            bin_right += torch.bincount(which, weights=correct.flatten().float(),
+                                        minlength=bins)
         rows += draft.numel()
     greedy = data["greedy"][:, start:].flatten().long()
     top = greedy.mode().values
@@ -414,7 +426,12 @@ def evaluate(head: EagleHead, data: dict[str, torch.Tensor], batch: int = 4,
             "sampled_accuracy": sampled / rows if "top_ids" in data else None,
             "unigram_accuracy": (greedy == top).float().mean().item(), "rows": int(rows),
             "outside_loops_accuracy": fresh_right / fresh if fresh else None,
-            "in_loops_fraction": 1 - fresh / rows}
+            "in_loops_fraction": 1 - fresh / rows,
+            "by_confidence": [
+                {"target_p": f"[{lo}, {hi}{']' if hi == 1 else ')'}",
+                 "share": (n / rows).item(), "greedy_accuracy": (k / n).item() if n else None}
+                for lo, hi, n, k in zip(CONFIDENCE_EDGES[:-1], CONFIDENCE_EDGES[1:], bin_rows,
+                                        bin_right, strict=True)] if "top_ids" in data else None}
 
 
 def run(engine, spec: TrainSpec, aux_layers: list[int] | None = None,

@@ -16,6 +16,7 @@ from oasiskv.spec.eagle import EagleConfig, EagleHead, load_head
 from oasiskv.spec.train import (
     TrainSpec,
     draft_vocabulary,
+    evaluate,
     head_loss,
     in_loop,
     load_shards,
@@ -43,6 +44,31 @@ def test_training_reduces_loss_and_beats_unigram(trained):
     curve = result["heldout_by_epoch"]
     assert len(curve) == 12 and curve[-1] == held["greedy_accuracy"]
     assert curve[0] < curve[-1]
+
+
+def test_accuracy_by_target_confidence_splits_the_held_out_rows(trained, tiny_llama):
+    out, result = trained
+    assert result["heldout"]["by_confidence"][0]["target_p"] == "[0.0, 0.3)"
+    held = load_shards(sorted((out / "features").glob("heldout_0*.safetensors")))
+    head = load_head(out, LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama))).model)
+    # the tiny target is never sure, so give its rows confidences cycling through the bins
+    confidence = torch.tensor([0.1, 0.4, 0.6, 0.8, 0.95, 1.0])
+    n = held["top_logp"].shape[1]
+    cycle = torch.arange(n) % len(confidence)  # [S] which confidence position p gets
+    held["top_logp"][:, :, 0] = confidence[cycle].log()
+    bins = evaluate(head, held)["by_confidence"]
+    assert [b["target_p"] for b in bins] == ["[0.0, 0.3)", "[0.3, 0.5)", "[0.5, 0.7)",
+                                             "[0.7, 0.9)", "[0.9, 1.0]"]
+    # rows p >= 1: draft right where the head's argmax is the target's greedy token
+    tokens, features, greedy = held["tokens"][:, 1:].long(), held["features"][:, :-1], (
+        held["greedy"][:, 1:].long())
+    hidden, _ = head(tokens, features.float(), torch.arange(1, n))
+    right = head.d2t[head.logits(hidden).argmax(-1)] == greedy  # [C, S-1]
+    rows_cycle = cycle[1:].expand_as(right)
+    for k, members in enumerate([[0], [1], [2], [3], [4, 5]]):
+        in_bin = torch.isin(rows_cycle, torch.tensor(members))
+        assert bins[k]["share"] == pytest.approx(in_bin.float().mean().item())
+        assert bins[k]["greedy_accuracy"] == pytest.approx(right[in_bin].float().mean().item())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
