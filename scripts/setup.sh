@@ -23,15 +23,10 @@ then
     echo "note: install the Austen novels with: sudo apt-get install r-cran-janeaustenr" >&2
   fi
 fi
-# llama.cpp, the CPU peer of `bench throughput --peer llamacpp`: pip compiles it (about 4 minutes
-# on 2 cores, once; only the library, not its tools)
-if ! python -c "import llama_cpp" 2>/dev/null; then
-  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \
--DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF" pip install -q 'llama-cpp-python==0.3.36' \
-    2>&1 | grep -v "^WARNING: Location" || true
-  python -c "import llama_cpp" 2>/dev/null \
-    || echo "note: llama-cpp-python did not build; --peer llamacpp and its test need it" >&2
-fi
+# llama.cpp, the CPU peer of `bench throughput --peer llamacpp`: pip compiles it (about 4-6
+# minutes on 2 cores; only the library, not its tools), without AMX, and again whenever the
+# installed build is not the one the script records (an older build may crash on AMX CPUs)
+bash scripts/setup_llamacpp.sh || echo "note: --peer llamacpp is not usable (see above)" >&2
 # Mooncake (the remote tier's multi-machine backend; its tests start a real master)
 bash scripts/setup_mooncake.sh
 python -c "import oasiskv, torch; print('oasiskv', oasiskv.__version__, 'torch', torch.__version__)"

@@ -5,27 +5,28 @@ llama.cpp.
 `DynamicCache`), so the peer skips the long prefill exactly as our modes do and the rows
 compare decoding only; its first step computes the last prompt token, as ours does.
 `LlamaCppPeer` runs the same GGUF in llama.cpp (llama-cpp-python's C API: quantized weights as
-stored, f16 KV): it prefills each prompt but its last token once, into its own sequence (or
-loads the sequence state an earlier run saved beside our prompt K/V), and for each batch
-decodes those sequences together, then drops the generated tokens again.
+stored, f16 KV) in a child process (a native crash fails the peer, not the run): it prefills
+each prompt but its last token once, into its own sequence (or loads the sequence state an
+earlier run saved beside our prompt K/V), and for each batch decodes those sequences together,
+then drops the generated tokens again.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors import safe_open
-from tqdm.auto import tqdm
+
+from oasiskv.bench.isolated import ChildCrashed, Isolated
+
+__all__ = ["ChildCrashed", "LlamaCppPeer", "hf_from_prefix", "load_hf", "parse_peers"]
 
 PEERS = ("hf", "llamacpp")
-LLAMACPP_INSTALL = ("--peer llamacpp needs llama-cpp-python, built from source by pip (minutes "
-                    "on 2 cores): pip install 'oasiskv[llamacpp]'")
+LLAMACPP_INSTALL = ("--peer llamacpp needs llama-cpp-python, built from source without AMX "
+                    "(minutes on 2 cores): scripts/setup_llamacpp.sh")
 
 
 def parse_peers(text: str | None, model: str | None = None) -> list[str]:
@@ -75,9 +76,11 @@ def prefix_cache(hf, kv_files: list[Path]):
 
 
 def timed_generate(hf, inputs: torch.Tensor, output_len: int,
+                   on_token: Callable[[int], None] | None = None,
                    **kwargs) -> tuple[torch.Tensor, list[float]]:
     """Greedy `generate` of exactly output_len tokens per row ([R, T] inputs, no padding);
-    returns the output ids and the time each token was produced (a StoppingCriteria clock)."""
+    returns the output ids and the time each token was produced (a StoppingCriteria clock).
+    `on_token(i)`: called after the batch's i-th token (progress bars)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class StepClock(StoppingCriteria):
@@ -86,6 +89,8 @@ def timed_generate(hf, inputs: torch.Tensor, output_len: int,
 
         def __call__(self, input_ids, scores, **kw) -> torch.Tensor:
             self.times.append(time.perf_counter())
+            if on_token is not None:
+                on_token(len(self.times) - 1)
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     clock = StepClock()
@@ -116,112 +121,64 @@ def hf_from_prefix(hf, prompts: list[list[int]], kv_files: list[Path], output_le
 
 
 class LlamaCppPeer:
-    """llama.cpp on the model's GGUF, every prompt in its own sequence of one context (each
-    sequence gets its own slice of the f16 KV cache, so attention reads only its own tokens)."""
-
-    CHUNK = 512  # tokens per llama_decode call while prefilling
+    """llama.cpp on the model's GGUF (`llamacpp.LlamaCppSession`), run in a child process: a
+    crash of the native library raises ChildCrashed ("llama.cpp peer crashed: signal 11
+    (SIGSEGV)") here and leaves this process running. Prefills on construction."""
 
     def __init__(self, gguf: Path, prompts: list[list[int]], output_len: int, threads: int,
                  cache_dir: Path | None = None) -> None:
-        import llama_cpp
+        from oasiskv.bench.llamacpp import LlamaCppSession
 
-        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # no load chatter
-        self.lib, self.prompts = llama_cpp, prompts
-        llama_cpp.llama_backend_init()
-        self.model = llama_cpp.llama_model_load_from_file(
-            str(gguf).encode(), llama_cpp.llama_model_default_params())
-        if not self.model:
-            raise ValueError(f"llama.cpp could not load {gguf}")
-        params = llama_cpp.llama_context_default_params()
-        per_seq = -(-(max(map(len, prompts)) + output_len) // 256) * 256
-        params.n_seq_max = len(prompts)
-        params.n_ctx = per_seq * len(prompts)
-        params.n_batch = params.n_ubatch = max(self.CHUNK, len(prompts))
-        params.n_threads = params.n_threads_batch = threads
-        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
-        if not self.ctx:
-            llama_cpp.llama_model_free(self.model)
-            raise ValueError(f"llama.cpp could not make a context of {params.n_ctx} tokens")
-        self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
-        self.batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
-        self.gguf, self.cache_dir = gguf, cache_dir
-        self.prefill_s = self._prefill()
+        self._child = Isolated("llama.cpp peer", LlamaCppSession, Path(gguf), prompts,
+                               output_len, threads, cache_dir)
+        try:
+            self.system_info: str = self._child.call("system_info")
+            self.prefill_s: float = self._child.call("prefill")
+            self.load_log: str = self._child.call("log")  # what llama.cpp logged loading
+        except BaseException:
+            self.close()
+            raise
 
-    def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
-        """One llama_decode of (token, position, sequence, wants logits) items."""
-        b = self.batch
-        for i, (token, pos, seq, logits) in enumerate(items):
-            b.token[i], b.pos[i], b.n_seq_id[i] = token, pos, 1
-            b.seq_id[i][0], b.logits[i] = seq, logits
-        b.n_tokens = len(items)
-        rc = self.lib.llama_decode(self.ctx, b)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc}")
-
-    def _prefill(self) -> float:
-        """Every prompt but its last token (what our engines load as prompt K/V), read from
-        llama.cpp's sequence state files in cache_dir when an earlier run saved them.
-        Returns the seconds spent computing."""
-        seconds = 0.0
-        for seq, p in enumerate(tqdm(self.prompts, desc="llama.cpp prefill", unit="prompt")):
-            prefix = (self.lib.llama_token * (len(p) - 1))(*p[:-1])
-            state = None
-            if self.cache_dir is not None:
-                key = hashlib.sha256(f"{self.gguf.resolve()}|llama.cpp|".encode()
-                                     + np.array(p[:-1], dtype=np.int32).tobytes())
-                state = self.cache_dir / f"llamacpp-{key.hexdigest()[:32]}.state"
-                if state.exists() and self._load_state(state, seq, len(prefix)):
-                    continue
-            t0 = time.perf_counter()
-            for start in range(0, len(p) - 1, self.CHUNK):
-                chunk = p[start:min(start + self.CHUNK, len(p) - 1)]
-                self._decode([(t, start + i, seq, False) for i, t in enumerate(chunk)])
-            seconds += time.perf_counter() - t0
-            if state is not None:
-                self.lib.llama_state_seq_save_file(self.ctx, str(state).encode(), seq, prefix,
-                                                   len(prefix))
-        return seconds
-
-    def _load_state(self, path: Path, seq: int, n: int) -> bool:
-        """A saved prefix into sequence `seq`; False (and nothing loaded) when it does not fit."""
-        tokens, count = (self.lib.llama_token * n)(), ctypes.c_size_t(0)
-        read = self.lib.llama_state_seq_load_file(self.ctx, str(path).encode(), seq, tokens, n,
-                                                  ctypes.byref(count))
-        if read and count.value == n:
-            return True
-        self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(self.ctx), seq, -1, -1)
-        return False
+    @property
+    def pid(self) -> int | None:
+        """The child's process id."""
+        return self._child.pid
 
     def generate(self, count: int, output_len: int) -> dict:
         """Greedy decode of output_len tokens for the first `count` prompts in one batch per
         step, from their prefilled prefixes; the same figures as our engine's rows."""
-        prompts = self.prompts[:count]
-        last = [p[-1] for p in prompts]
-        tokens: list[list[int]] = [[] for _ in prompts]
-        t0 = time.perf_counter()
-        times = []
-        for step in range(output_len):
-            self._decode([(t, len(p) - 1 + step, seq, True)
-                          for seq, (t, p) in enumerate(zip(last, prompts, strict=True))])
-            for seq in range(count):
-                logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, seq),
-                                               shape=(self.vocab,))
-                last[seq] = int(logits.argmax())
-                tokens[seq].append(last[seq])
-            times.append(time.perf_counter())
-        wall = times[-1] - t0
-        memory = self.lib.llama_get_memory(self.ctx)
-        for seq, p in enumerate(prompts):  # back to the prefilled prefix for the next batch
-            self.lib.llama_memory_seq_rm(memory, seq, len(p) - 1, -1)
-        steps = len(times) - 1
-        step_ms = 1e3 * (times[-1] - times[0]) / max(steps, 1)
-        return {"tps": count * output_len / wall, "wall_s": wall, "tpot_ms": step_ms,
-                "ttft_s": times[0] - t0, "running": float(count), "step_ms": step_ms,
-                "preemptions": 0, "failed": 0, "tokens": tokens}
+        return self._child.call("generate", count, output_len)
 
     def close(self) -> None:
-        if self.ctx:
-            self.lib.llama_batch_free(self.batch)
-            self.lib.llama_free(self.ctx)
-            self.lib.llama_model_free(self.model)
-            self.ctx = None
+        self._child.close()
+
+
+class RestartingPeer:
+    """The llama.cpp peer for one set of prompts, started at its first `generate` and again
+    after a crash (loading the sequence states the first start saved in cache_dir), so that a
+    crash fails one call, not every one after it. `prefill_s` is the first start's."""
+
+    def __init__(self, gguf: Path, prompts: list[list[int]], output_len: int, threads: int,
+                 cache_dir: Path | None) -> None:
+        self._args = (gguf, prompts, output_len, threads, cache_dir)
+        self._peer: LlamaCppPeer | None = None
+        self.prefill_s: float | None = None
+        self.system_info: str | None = None
+
+    def generate(self, count: int, output_len: int) -> dict:
+        """LlamaCppPeer.generate; raises ChildCrashed when llama.cpp crashed meanwhile."""
+        try:
+            if self._peer is None:
+                self._peer = LlamaCppPeer(*self._args)
+                if self.prefill_s is None:
+                    self.prefill_s, self.system_info = (self._peer.prefill_s,
+                                                        self._peer.system_info)
+            return self._peer.generate(count, output_len)
+        except ChildCrashed:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._peer is not None:
+            self._peer.close()
+            self._peer = None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,7 +39,7 @@ from oasiskv.bench.common import (
     unique_prompts,
     write_json,
 )
-from oasiskv.bench.peers import LlamaCppPeer, hf_from_prefix, load_hf, parse_peers
+from oasiskv.bench.peers import ChildCrashed, RestartingPeer, hf_from_prefix, load_hf, parse_peers
 from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.models.registry import resolve_model
@@ -103,6 +104,9 @@ def run_mode(kwargs: dict, prompts: list[list[int]], kv_files: list[Path],
            "step_ms": 1e3 * sum(e["time_s"] for e in decode_steps) / max(len(decode_steps), 1),
            "preemptions": stats["preemptions"], "failed": stats["requests_failed"],
            "kv_peak_bytes": stats["kv_peak_bytes"],
+           # the device tensors (KV pool, sparse summaries): at most the budget
+           "device_bytes_allocated": stats["device_bytes_allocated"],
+           "device_peak_bytes": stats["device_peak_bytes"],
            "tokens": [s.output_token_ids for s in seqs]}
     if engine.sparse is not None:
         c = engine.sparse.counters
@@ -139,7 +143,7 @@ COLUMNS = [("context", "context"), ("concurrency", "conc"), ("mode", "mode"), ("
            ("bytes_per_step", "fetch B/step"), ("hit_rate", "hit rate")]
 ABLATION = [("context", "context"), ("concurrency", "conc"), ("f_hbm", "f_hbm"),
             ("fetch_cap", "cap/head"), ("bytes_per_step", "fetch B/step"), ("tps", "TPS"),
-            ("hit_rate", "hit rate"), ("kept", "predicted kept")]
+            ("hit_rate", "hit rate"), ("kept", "predicted kept"), ("agreement", "agree")]
 
 
 def dense_max_summary(rows: list[dict], context: int, capacity: int, output_len: int,
@@ -152,7 +156,8 @@ def dense_max_summary(rows: list[dict], context: int, capacity: int, output_len:
     sparse = next((r for r in level if r["mode"] == "sparse"), None)  # the first f_hbm
     if dense is not None and sparse is not None:
         line += (f"; at {capacity} requests sparse/dense TPS {sparse['tps_ratio']:.2f} (each "
-                 f"round {sparse['ratio_rounds']}), TPOT dense / sparse {dense['tpot_ms']:.0f} / "
+                 f"round {sparse['ratio_rounds']}; greedy agreement with dense "
+                 f"{sparse['agreement']:.2f}), TPOT dense / sparse {dense['tpot_ms']:.0f} / "
                  f"{sparse['tpot_ms']:.0f} ms, running {dense['running']:.1f} / "
                  f"{sparse['running']:.1f}")
     return line
@@ -197,6 +202,9 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     contexts, levels = parse_list(args.context), parse_levels(args.concurrency)
     modes, f_hbms = parse_list(args.kv_mode, str), parse_list(args.f_hbm, str)
     peers = parse_peers(args.peer, args.model)
+    if "sparse" in modes and peers and "dense" not in modes:
+        raise ValueError("sparse rows show their speed-up over a --peer beside their greedy "
+                         "agreement with dense: add dense to --kv-mode")
     prefill = LLMEngine(EngineConfig.from_kwargs(model=args.model, dtype=args.dtype,
                                                  num_threads=args.num_threads))
     mc = prefill.model_config
@@ -238,7 +246,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     reads = {"llamacpp": (gguf.stat().st_size, kv_per_token * 2 //
                           prefill.config.torch_dtype.itemsize)} if "llamacpp" in peers else {}
     bandwidth = read_bandwidth()
-    rows, prefill_s, peer_prefill_s = [], {}, {}
+    rows, prefill_s, peer_prefill_s, peer_system_info = [], {}, {}, None
     with tempfile.TemporaryDirectory(prefix="oasiskv-bench-") as tmp:
         cache_dir = Path(args.kv_cache_dir or tmp)
         for context in contexts:
@@ -246,13 +254,12 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                                              context)
             files, prefill_s[context] = prefix_kv_files(
                 prefill, prompts, cache_dir, f"prefill {context}")
-            llamacpp = None
-            if "llamacpp" in peers:
-                llamacpp = LlamaCppPeer(gguf, prompts, args.output_len,
-                                        torch.get_num_threads(), cache_dir)
-                peer_prefill_s[context] = llamacpp.prefill_s
+            # llama.cpp in a child process: a crash fails its row of that level, nothing else
+            llamacpp = RestartingPeer(gguf, prompts, args.output_len, torch.get_num_threads(),
+                                      cache_dir) if "llamacpp" in peers else None
             for c in context_levels[context]:
                 tries: dict[tuple[str, str | None], list[dict]] = {}
+                failed: dict[str, str] = {}  # mode -> its error at this level
                 for _ in range(args.repeats):  # every mode once per round, in turn
                     for mode, kw in runs:
                         r = run_mode({**base, **kw}, prompts[:c], files[:c], args.output_len)
@@ -262,10 +269,15 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                         tries.setdefault(("hf", None), []).append(
                             hf_from_prefix(hf, prompts[:c], files[:c], args.output_len)
                             | {"mode": "hf"})
-                    if llamacpp is not None:
-                        tries.setdefault(("llamacpp", None), []).append(
-                            llamacpp.generate(c, args.output_len) | {"mode": "llamacpp"})
-                level = [median_run(t) for t in tries.values()]
+                    if llamacpp is not None and "llamacpp" not in failed:
+                        try:
+                            tries.setdefault(("llamacpp", None), []).append(
+                                llamacpp.generate(c, args.output_len) | {"mode": "llamacpp"})
+                        except ChildCrashed as e:
+                            failed["llamacpp"] = str(e)
+                            print(f"{context} x{c} llamacpp: failed: {e}", file=sys.stderr,
+                                  flush=True)
+                level = [median_run(t) for (mode, _), t in tries.items() if mode not in failed]
                 by_mode = {r["mode"]: r for r in level}  # dense and peers (sparse: its last f_hbm)
                 for r in level:
                     r.update(context=context, concurrency=c, text=source,
@@ -281,15 +293,21 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                             r["tps_runs"], by_mode["dense"]["tps_runs"], strict=True)]
                         r["ratio_rounds"] = ", ".join(f"{x:.2f}" for x in r["tps_ratio_rounds"])
                     if r["mode"] == "sparse":
-                        for peer in peers:
+                        for peer in (p for p in peers if p in by_mode):
                             r[f"vs_{peer}"] = r["tps"] / by_mode[peer]["tps"]
                             r[f"vs_{peer}_rounds"] = [a / b for a, b in zip(
                                 r["tps_runs"], by_mode[peer]["tps_runs"], strict=True)]
                     print(f"{context} x{c} {r['mode']}: {r['tps']:.1f} tok/s, running "
                           f"{r['running']:.1f}", flush=True)
                 rows += [{k: v for k, v in r.items() if k != "tokens"} for r in level]
+                rows += [{"context": context, "concurrency": c, "mode": mode, "error": error,
+                          "text": source, "dense_capacity": capacity[context]}
+                         for mode, error in failed.items()]
             if llamacpp is not None:
                 llamacpp.close()
+                if llamacpp.prefill_s is not None:
+                    peer_prefill_s[context] = llamacpp.prefill_s
+                    peer_system_info = llamacpp.system_info
     elapsed = time.perf_counter() - t_start
     print(f"\n## throughput, {args.model} {args.dtype}: device KV budget "
           f"{args.device_kv_budget}, sparse K={args.top_k} f_hbm={args.f_hbm} {args.predictor}, "
@@ -297,7 +315,8 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
           f"{args.repeats} run(s) of each mode per level, in rounds, the median-TPS run shown; "
           f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s\n")
-    print(markdown_table(rows, COLUMNS))
+    errors = [r for r in rows if "error" in r]
+    print(markdown_table(rows, COLUMNS + [("error", "error")] * bool(errors)))
     print()
     for context in contexts:
         print(dense_max_summary(rows, context, capacity[context], args.output_len,
@@ -315,6 +334,9 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
           f"own prefill of the same prompts"
           f"{''.join(f', {k}: {v:.0f} s' for k, v in peer_prefill_s.items())}. "
           f"agree = share of greedy tokens equal to dense's. {elapsed:.0f} s.")
+    for r in errors:  # the run went on without them, but they did not run
+        print(f"error: {r['context']} x{r['concurrency']} {r['mode']}: {r['error']}",
+              file=sys.stderr)
     write_json(args.json, {"bench": "throughput", "model": args.model,
                            "device_kv_budget": args.device_kv_budget, "top_k": args.top_k,
                            "f_hbm": f_hbms, "output_len": args.output_len, "peers": peers,
@@ -322,8 +344,9 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                            "repeats": args.repeats,
                            "bandwidth": bandwidth, "prefill_s": prefill_s,
                            "llamacpp_prefill_s": peer_prefill_s,
+                           "llamacpp_system_info": peer_system_info,
                            "threads": torch.get_num_threads(), "time_s": elapsed, "rows": rows})
     if args.plot:
-        plot(rows, args.plot, capacity, f"{args.model} {args.dtype}: dense vs sparse, "
-                              f"budget {args.device_kv_budget}")
+        plot([r for r in rows if "error" not in r], args.plot, capacity,
+             f"{args.model} {args.dtype}: dense vs sparse, budget {args.device_kv_budget}")
     return rows

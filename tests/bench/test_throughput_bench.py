@@ -36,6 +36,16 @@ def test_throughput_bench_dense_vs_sparse(tmp_path, capsys):
         assert free["kept"] == 1.0 and free["vs_hf"] == free["tps"] / hf["tps"]
         rounds = zip(free["tps_runs"], hf["tps_runs"], strict=True)
         assert free["vs_hf_rounds"] == [a / b for a, b in rounds]
+        for sparse in (capped, free):  # a speed-up is shown beside its agreement with dense
+            assert 0 <= sparse["agreement"] <= 1 and "tps_ratio" in sparse
+    head, _, *body = printed.split("## throughput")[1].split("\n\n")[1].splitlines()
+    agree = [c.strip() for c in head.split("|")].index("agree")
+    for line in body:
+        if "| sparse |" in line:
+            assert line.split("|")[agree].strip(), line
+    for r in all_rows:  # our engines' device tensors stay within the budget
+        if r["mode"] in ("dense", "sparse"):
+            assert 0 < r["device_peak_bytes"] <= r["device_bytes_allocated"] <= 170 * 1024
     rows = {(c, m): r for (c, m, f), r in rows.items() if f in (None, "0.5")}
     assert all(r["failed"] == 0 for r in rows.values())
     assert rows[(6, "sparse")]["running"] > 2 * rows[(6, "dense")]["running"]
@@ -65,8 +75,8 @@ def test_dense_max_is_the_most_requests_dense_holds(tmp_path, capsys):
     assert sparse["tps_ratio_rounds"] == [a / b for a, b in zip(
         sparse["tps_runs"], at_max["tps_runs"], strict=True)]
     assert (f"300: dense holds 2 requests of 304 tokens under 320KiB; at 2 requests "
-            f"sparse/dense TPS {sparse['tps_ratio']:.2f} (each round {sparse['ratio_rounds']})"
-            in printed)
+            f"sparse/dense TPS {sparse['tps_ratio']:.2f} (each round {sparse['ratio_rounds']}; "
+            f"greedy agreement with dense {sparse['agreement']:.2f})" in printed)
 
 
 def test_bad_concurrency_levels_fail_first(tmp_path, capsys):
@@ -91,6 +101,13 @@ def test_prompt_kv_is_cached_across_runs(tmp_path):
         runs.append(json.loads(out.read_text()))
     assert runs[0]["prefill_s"]["100"] > 0 and runs[1]["prefill_s"]["100"] == 0
     assert len(list((tmp_path / "kv").glob("*.safetensors"))) == 2
+
+
+def test_sparse_against_a_peer_needs_dense_beside_it(tmp_path, capsys):
+    model = build_model_dir(tmp_path / "m")
+    assert main(["bench", "throughput", "--model", str(model), "--kv-mode", "sparse",
+                 "--peer", "hf"]) == 2
+    assert "add dense to --kv-mode" in capsys.readouterr().err
 
 
 def test_repeats_below_one_fail_first(tmp_path, capsys):
