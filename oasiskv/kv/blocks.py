@@ -67,15 +67,6 @@ class BlockPool:
                   else np.flatnonzero(self.is_free)[:n].tolist())
         self._take(table, blocks)
 
-    def take_top(self, table: list[int], n: int) -> None:
-        """Appends the `n` highest free blocks (sparse summaries: they stay out of the way of
-        the slabs, which fill the pool from the bottom)."""
-        if n <= 0:
-            return
-        self._check_free(n)
-        free = np.flatnonzero(self.is_free)
-        self._take(table, free[len(free) - n:].tolist())
-
     def _check_free(self, n: int) -> None:
         if n > self.num_free:
             raise MemoryError(f"KV pool exhausted: need {n} blocks, {self.num_free} free")
@@ -130,27 +121,34 @@ class KVAllocator:
 
     dense: every block on the device, allocated as the request grows (a request that cannot
     grow preempts another). sparse: on the device a slab of K+2 blocks (working set, active
-    and draft blocks, first in the block table) plus room for the summaries of its history
-    (`summaries_per_block`: a block's kmin/kmax are 2 of its 2B rows, so B summaries per device
-    block when they have the KV dtype, 2B in half of it); in the host tier its whole possible
-    history. Both are reserved at admission, so a running sparse request never needs more
-    memory and is never preempted: recomputing it would lose its working-set history.
+    and draft blocks: its block table) and a summary id (a row of the device's kmin/kmax
+    tensors) for every block of its whole possible history; in the host tier that history.
+    All are reserved at admission, so a running sparse request never needs more memory and is
+    never preempted: recomputing it would lose its working-set history.
 
-    With a remote store (`summaries` given) summary ids are their own pool, since a request
-    whose prompt went to the store keeps only its host cache's blocks (`shrink_host`), while
-    the summaries of all its blocks stay.
+    Summary ids: on one node a block's summary id is its host block's id (the engine sizes the
+    host pool to the summaries the device holds, `summaries` None); with a remote store they
+    are their own pool, since a request whose prompt went to the store keeps only its host
+    cache's blocks (`shrink_host`), while the summaries of all its blocks stay.
+    `summary_room`: the summary ids the device budget holds beside the slabs (for messages:
+    it tells a device limit from a host one).
     """
 
     def __init__(self, device: BlockPool, host: BlockPool | None = None,
                  slab_blocks: int | None = None, summaries: BlockPool | None = None,
-                 summaries_per_block: int | None = None) -> None:
+                 summary_room: int | None = None) -> None:
         self.device, self.host, self.slab_blocks = device, host, slab_blocks
         self.summaries = summaries
-        self.summaries_per_block = summaries_per_block or device.block_size
+        self.summary_room = summary_room
 
     @property
     def sparse(self) -> bool:
         return self.host is not None
+
+    @property
+    def summary_pool(self) -> BlockPool | None:
+        """sparse: the pool whose ids index the device summaries (the host pool on one node)."""
+        return self.summaries if self.summaries is not None else self.host
 
     def needs(self, seq: Sequence, num_tokens: int) -> tuple[int, int]:
         """Additional (device, host) blocks for `seq` to hold `num_tokens` tokens."""
@@ -163,17 +161,13 @@ class KVAllocator:
             host = seq.host_budget - len(seq.host_table)
         else:
             host = self.host.blocks_for(tokens) - len(seq.host_table)
-        return self.device_blocks_for(tokens) - len(seq.block_table), host
+        return self.slab_blocks - len(seq.block_table), host
 
     def _summary_need(self, seq: Sequence, num_tokens: int) -> int:
-        if self.summaries is None:
+        if self.summaries is None:  # one node: a host block's id is its summary id
             return 0
         return self.summaries.blocks_for(max(num_tokens, seq.max_context)) - len(
             seq.summary_table)
-
-    def device_blocks_for(self, num_tokens: int) -> int:
-        """sparse: slab + summaries of the blocks of `num_tokens` tokens."""
-        return self.slab_blocks + -(-self.host.blocks_for(num_tokens) // self.summaries_per_block)
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         dev, host = self.needs(seq, num_tokens)
@@ -188,8 +182,6 @@ class KVAllocator:
         tokens = max(num_tokens, seq.max_context)
         if not seq.block_table:
             self.device.take_run(seq.block_table, self.slab_blocks)
-        self.device.take_top(seq.block_table,
-                             self.device_blocks_for(tokens) - len(seq.block_table))
         if seq.host_cache is None:
             budget = seq.host_budget
             if budget is None and not seq.host_table:  # its whole history, reserved at once
@@ -197,6 +189,8 @@ class KVAllocator:
             self.host.grow(seq.host_table,
                            tokens if budget is None else budget * self.host.block_size)
         if self.summaries is not None:
+            if not seq.summary_table:  # side by side at one stride, as host histories are
+                self.summaries.take_run(seq.summary_table, self.summaries.blocks_for(tokens))
             self.summaries.grow(seq.summary_table, tokens)
 
     def shrink_host(self, seq: Sequence, owned: list[int]) -> None:
@@ -221,12 +215,23 @@ class KVAllocator:
             return None if need <= have else (
                 f"request needs up to {num_tokens} tokens of KV, the device KV budget holds "
                 f"{have * self.device.block_size}; raise device_kv_budget or lower max_tokens")
-        need = self.device_blocks_for(num_tokens)
-        if need > self.device.num_blocks:
-            return (f"a sparse request of up to {num_tokens} tokens needs {need} device blocks "
-                    f"(top_k + 2 for its slab: working set, active and draft blocks; the rest "
-                    f"for its block summaries), the device KV budget holds "
-                    f"{self.device.num_blocks}")
+        if self.slab_blocks > self.device.num_blocks:
+            return (f"a sparse request needs {self.slab_blocks} device KV blocks for its slab "
+                    f"(top_k + 2: working set, active and draft blocks), the device KV budget "
+                    f"holds {self.device.num_blocks} beside the block summaries; raise "
+                    f"device_kv_budget or lower top_k")
+        ids = self.host.blocks_for(num_tokens)  # a summary id for every block of its history
+        if ids > self.summary_pool.num_blocks and (self.summary_room is None
+                                                   or ids > self.summary_room):
+            return (f"a sparse request of up to {num_tokens} tokens needs the summaries of "
+                    f"{ids} blocks on the device, the device KV budget holds "
+                    f"{self.summary_pool.num_blocks} beside the slabs; raise device_kv_budget "
+                    f"or lower max_tokens")
+        if self.summaries is not None and ids > self.summaries.num_blocks:  # remote store: ids
+            # for what host caches at f_host can hold
+            return (f"a sparse request of up to {num_tokens} tokens needs {ids} summary ids, "
+                    f"the engine keeps {self.summary_pool.num_blocks} (host_kv_budget's "
+                    f"blocks / f_host); raise host_kv_budget or lower max_tokens")
         # the whole history passes through the host during prefill, remote store or not
         need = self.host.blocks_for(num_tokens) if host_blocks is None else host_blocks
         have = self.host.num_blocks

@@ -126,20 +126,18 @@ def test_block_runs_by_hand():
     assert block_runs([7]) == [(7, 1)] and block_runs([]) == []
 
 
-def test_sparse_slabs_sit_side_by_side_and_summaries_at_the_top():
+def test_sparse_slabs_sit_side_by_side():
     pool = BlockPool(40, 16)
     tables = [[] for _ in range(4)]
-    for t in tables:  # a slab of 5 blocks, then 3 summary blocks
+    for t in tables:  # a slab of 5 blocks each
         pool.take_run(t, 5)
-        pool.take_top(t, 3)
-    assert [t[:5] for t in tables] == [list(range(s, s + 5)) for s in (0, 5, 10, 15)]
-    assert sorted(b for t in tables for b in t[5:]) == list(range(28, 40))
+    assert tables == [list(range(s, s + 5)) for s in (0, 5, 10, 15)]
     pool.free(tables[1])
     again = []
     pool.take_run(again, 5)  # the freed slab's place, side by side with its neighbours again
     assert again == list(range(5, 10))
     with pytest.raises(MemoryError, match="exhausted"):
-        pool.take_top(again, pool.num_free + 1)
+        pool.take_run(again, pool.num_free + 1)
 
 
 def test_slab_falls_back_to_any_run_then_to_any_blocks():

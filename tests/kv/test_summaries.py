@@ -57,16 +57,20 @@ def test_engine_default_keeps_bfloat16_summaries_of_float32_kv(tiny_llama):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_engine_stores_rounded_summaries_and_pays_half_their_device_blocks(tiny_llama, dtype):
+def test_engine_stores_rounded_summaries_and_pays_half_their_device_bytes(tiny_llama, dtype):
     from oasiskv import LLM, SamplingParams
 
     kw = dict(kv_mode="sparse", top_k=2, device_kv_budget="4MiB", host_kv_budget="4MiB")
     llm = LLM(str(tiny_llama), summary_dtype=dtype, **kw)
     full = LLM(str(tiny_llama), summary_dtype="float32", **kw)
-    tokens = 4096  # 256 blocks: 16 device blocks of fp32 summaries, 8 of half ones
-    slab = llm.engine.config.cache.slab_blocks  # top_k + 2
-    assert full.engine.kv.device_blocks_for(tokens) - slab == 16
-    assert llm.engine.kv.device_blocks_for(tokens) - slab == 8
+    half, whole = llm.stats(), full.stats()
+    # a block's kmin and kmax in every layer: 2 x 2 layers x 2 KV heads x 16 dims
+    assert whole["summary_bytes_per_block"] == 2 * 2 * 2 * 16 * 4
+    assert half["summary_bytes_per_block"] == 2 * 2 * 2 * 16 * 2
+    for engine, s in ((llm.engine, half), (full.engine, whole)):
+        summaries = engine.sparse.kmin.numel() * engine.sparse.kmin.element_size() * 2
+        assert summaries == s["summary_ids_total"] * s["summary_bytes_per_block"]
+        assert s["device_bytes_allocated"] <= 4 * 2**20
     sp, B = llm.engine.sparse, 16
     assert sp.kmin.dtype == sp.kmax.dtype == getattr(torch, dtype)
     seen = []
