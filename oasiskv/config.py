@@ -16,18 +16,8 @@ from typing import Any
 
 import torch
 
-_BYTE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: int | float | str) -> int:
-    """'2GiB' -> 2147483648; plain numbers are bytes."""
-    if isinstance(value, int | float):
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _BYTE_UNITS:
-        raise ValueError(f"cannot read {value!r} as a size in bytes (examples: 512MiB, 2GiB, 1e9)")
-    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+from oasiskv.config_checks import check_device_present, check_field_types, parse_budget
+from oasiskv.config_checks import parse_bytes as parse_bytes  # its home was here
 
 
 @dataclass
@@ -158,7 +148,7 @@ class CacheConfig:
         "lookahead or previous; one node only)")
     prefetch: str = _field(
         "sync", "sparse: async runs each layer's next-step selection and fetch in the "
-        "background (worker threads on CPU, CUDA streams on GPU); sync runs them inline "
+        "background (worker threads; sparse runs on the CPU only); sync runs them inline "
         "(the default: on a 2-core CPU the workers compete with the model for the cores)")
     prefetch_group: int = _field(
         0, "sparse, async: layers per prefetch job (the next step's "
@@ -172,7 +162,7 @@ class CacheConfig:
         "Mooncake Store whose master listens there. With a store, a request's complete prompt "
         "blocks go to it when its prefill is done and the host keeps a bounded cache of them "
         "(f_host)")
-    remote_lend: str = _field(
+    remote_lend: int | str = _field(
         "256MiB", "mooncake: host memory this engine lends to the store, where its puts (a "
         "prefill worker's prompt blocks) can land; 0 on a decode-only worker, so that prompt "
         "blocks stay on the prefill host")
@@ -193,12 +183,13 @@ class CacheConfig:
         "fresh memory maps in at ~250 MB/s this is seconds per GiB: servers, benchmarks)")
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        self.device_kv_budget = parse_bytes(self.device_kv_budget)
+        self.device_kv_budget = parse_budget("device_kv_budget", self.device_kv_budget)
         if self.device_kv_budget <= 0:
             raise ValueError(f"device_kv_budget must be positive, got {self.device_kv_budget}")
-        self.host_kv_budget = parse_bytes(self.host_kv_budget)
+        self.host_kv_budget = parse_budget("host_kv_budget", self.host_kv_budget)
         if self.host_kv_budget <= 0:
             raise ValueError(f"host_kv_budget must be positive, got {self.host_kv_budget}")
         if self.kv_mode not in KV_MODES:
@@ -254,7 +245,8 @@ class CacheConfig:
         if spec != "none" and self.rerank:
             raise ValueError("rerank reads its candidates' keys from the host tier, which holds "
                              f"only part of the history with remote_store={spec!r}")
-        parse_bytes(self.remote_lend)
+        if parse_budget("remote_lend", self.remote_lend) < 0:
+            raise ValueError(f"remote_lend must be >= 0 bytes, got {self.remote_lend!r}")
         if not 0 < self.f_host <= 1:
             raise ValueError(f"f_host must be in (0, 1], got {self.f_host}")
         if self.f_host < 1 and spec == "none":
@@ -294,7 +286,8 @@ class SpecConfig:
         "the training-free ones), eagle:DIR (a head made by `oasiskv train-drafter`) or "
         "resync-eagle:DIR (the self chain while its draft was right, the head after a miss)")
     draft_model: str | None = _field(
-        None, "drafter=model: a small model sharing the tokenizer (alias, HF dir or .gguf)")
+        None, "drafter=model: a small model sharing the tokenizer (alias, HF dir or .gguf)",
+        path=True)
     num_drafts: int = _field(
         1, "drafts per request and step: the lookahead predicts with the first (greedy) or "
         "the drafts' mean weighted by their probability of being sampled (temperature > 0); "
@@ -308,6 +301,7 @@ class SpecConfig:
         "generation")
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         head = head_dir(self.drafter)
         if head is not None:
             if not (Path(head) / "config.json").is_file():
@@ -338,6 +332,7 @@ class SchedulerConfig:
         None, "longest context (prompt + output) a request may reach; default: the model's")
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -347,7 +342,7 @@ class SchedulerConfig:
 
 @dataclass
 class EngineConfig:
-    model: str = _field("smollm2-135m", "model alias, HF directory or .gguf file")
+    model: str = _field("smollm2-135m", "model alias, HF directory or .gguf file", path=True)
     dtype: str = _field("float32", "weights and KV dtype: float32, bfloat16, float16")
     device: str = _field("cpu", "torch device: cpu, cuda, cuda:1 ...")
     num_threads: int | None = _field(None, "torch CPU threads (default: torch's choice)")
@@ -357,12 +352,14 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(set(_DTYPES))}")
         try:
-            torch.device(self.device)
+            device = torch.device(self.device)
         except RuntimeError as e:
             raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
+        check_device_present(device)
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         if self.cache.kv_mode == "sparse" and self.spec.num_drafts > self.cache.block_size:

@@ -1,4 +1,9 @@
+from __future__ import annotations  # annotations as text, which check_field_types reads
+
+import numbers
 from dataclasses import dataclass, field
+
+from oasiskv.config_checks import FieldTypeError, check_field_types
 
 
 @dataclass
@@ -21,6 +26,10 @@ class SamplingParams:
     forced_tokens: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # the scalars: ints, finite floats, bools
+        self.stop = _stop_list(self.stop)
+        self.stop_token_ids = _token_list("stop_token_ids", self.stop_token_ids)
+        self.forced_tokens = _token_list("forced_tokens", self.forced_tokens)
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.temperature < 0:
@@ -32,11 +41,27 @@ class SamplingParams:
         if len(self.forced_tokens) > self.max_tokens:
             raise ValueError(f"{len(self.forced_tokens)} forced tokens exceed max_tokens "
                              f"{self.max_tokens}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
+        self.stop = [s for s in self.stop if s]
 
     @property
     def greedy(self) -> bool:
         # Below 1e-5 logits/temperature overflows; such requests mean greedy (as in vLLM).
         return self.temperature < 1e-5
+
+
+def _stop_list(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
+        raise FieldTypeError(f"stop must be a string or a list of strings, got {stop!r}")
+    return list(stop)
+
+
+def _token_list(name: str, ids: object) -> list[int]:
+    """Token ids as a list; their range is the engine's check (it knows the vocabulary)."""
+    if not isinstance(ids, list | tuple) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+        raise FieldTypeError(f"{name} must be a list of integer token ids, got {ids!r}")
+    return [int(t) for t in ids]

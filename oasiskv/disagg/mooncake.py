@@ -32,8 +32,9 @@ INSTALL_HINT = "bash scripts/setup_mooncake.sh"
 CLONE_NEWNET = 0x40000000
 
 
-class MooncakeUnavailable(ImportError):
-    """The Mooncake wheel is not installed (or does not load)."""
+class MooncakeUnavailable(ImportError, ValueError):
+    """The Mooncake wheel is not installed (or does not load). Also a ValueError: a
+    `mooncake://` remote store is then a setting this machine cannot honour."""
 
 
 def require_mooncake() -> ModuleType:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers import __version__ as hf_version
@@ -40,6 +41,31 @@ def load_checkpoint(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoin
     raise ValueError(f"{path}: not an HF model directory or a .gguf file")
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, OSError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ValueError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: holds {type(data).__name__}, not a JSON object")
+    return data
+
+
+# The sizes ModelConfig.from_hf reads without a default: each a positive integer.
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads")
+
+
+def _check_sizes(cfg: dict, where: str, names: dict[str, str] | None = None) -> None:
+    """Refuses a config whose sizes are missing or not positive integers, naming them all;
+    `names`: what each key is called where it comes from (GGUF metadata keys)."""
+    keys = _SIZES + tuple(k for k in ("max_position_embeddings",) if k in cfg)  # optional
+    bad = [f"{(names or {}).get(k, k)}={cfg.get(k)!r}" for k in keys
+           if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool) or cfg[k] <= 0]
+    if bad:
+        raise ValueError(f"{where}: missing or not a positive integer: {', '.join(bad)}")
+
+
 def _as_list(ids: int | list[int] | None) -> list[int]:
     return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
 
@@ -54,16 +80,19 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> Checkpoint:
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: missing config.json")
-    hf_config = json.loads((path / "config.json").read_text())
+    hf_config = _read_json(path / "config.json")
     gen_config = path / "generation_config.json"
     if gen_config.is_file():  # chat models list their end-of-turn ids here (e.g. <|eot_id|>)
-        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        eos = _read_json(gen_config).get("eos_token_id")
         extra = set(_as_list(eos)) - set(_as_list(hf_config.get("eos_token_id")))
         if extra:
             hf_config["eos_token_id"] = sorted({*_as_list(hf_config.get("eos_token_id")), *extra})
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no weight_map (tensor name -> file)")
+        files = sorted({path / f for f in weight_map.values()})
     elif (path / "model.safetensors").is_file():
         files = [path / "model.safetensors"]
     else:
@@ -72,11 +101,21 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> Checkpoint:
         raise ValueError(f"{path}: no safetensors files (model.safetensors or an index)")
     state_dict = {}
     for f in files:
-        state_dict.update({k: _cast(v, dtype) for k, v in load_file(f).items()})
+        try:
+            tensors = load_file(f)
+        except (SafetensorError, OSError) as e:  # a truncated or corrupted file
+            raise ValueError(f"{f}: not a readable safetensors file, truncated or corrupted? "
+                             f"({e})") from None
+        state_dict.update({k: _cast(v, dtype) for k, v in tensors.items()})
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     if not any((path / f).is_file() for f in tokenizer_files):
         raise ValueError(f"{path}: no tokenizer files ({', '.join(tokenizer_files)})")
-    return Checkpoint(hf_config, state_dict, AutoTokenizer.from_pretrained(path))
+    _check_sizes(hf_config, f"{path / 'config.json'}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # `tokenizers` raises a bare Exception on a spoiled tokenizer.json
+        raise ValueError(f"{path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
+    return Checkpoint(hf_config, state_dict, tokenizer)
 
 
 # ---------------------------------------------------------------- GGUF file
@@ -142,7 +181,7 @@ def _f32(v: Any) -> float:
 
 def _gguf_config(meta: dict[str, Any], names: set[str], n_tokens: int) -> tuple[dict, bool]:
     """HF-style config dict from GGUF metadata, and whether q/k rows need un-permuting."""
-    arch = meta["general.architecture"]
+    arch = meta.get("general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; supported: {sorted(_GGUF_ARCHS)}"
@@ -155,6 +194,14 @@ def _gguf_config(meta: dict[str, Any], names: set[str], n_tokens: int) -> tuple[
     def key(k: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{k}", default)
 
+    gguf_keys = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+                 "num_hidden_layers": "block_count", "num_attention_heads": "attention.head_count",
+                 "max_position_embeddings": "context_length"}
+    sizes = {hf: key(g) for hf, g in gguf_keys.items()}
+    sizes["vocab_size"] = key("vocab_size", n_tokens or None)
+    spelled = {hf: f"{arch}.{g}" for hf, g in gguf_keys.items()}
+    spelled["vocab_size"] = f"{arch}.vocab_size (or tokenizer.ggml.tokens)"
+    _check_sizes(sizes, "GGUF metadata", spelled)
     heads = key("attention.head_count")
     hidden = key("embedding_length")
     head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // heads
@@ -202,11 +249,18 @@ def _metadata(reader: GGUFReader) -> dict[str, Any]:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
-    reader = GGUFReader(path)
-    meta = _metadata(reader)
+    try:
+        reader = GGUFReader(path)
+        meta = _metadata(reader)
+    except (ValueError, IndexError, KeyError, OSError) as e:  # gguf's parse errors
+        raise ValueError(f"{path}: not a readable GGUF file, truncated or corrupted? "
+                         f"({type(e).__name__}: {e})") from None
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     names = {t.name for t in reader.tensors}
-    cfg, permuted = _gguf_config(meta, names, len(tokens.data) if tokens else 0)
+    try:
+        cfg, permuted = _gguf_config(meta, names, len(tokens.data) if tokens else 0)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     state_dict = {}
     for t in reader.tensors:

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from oasiskv.config import ModelConfig
+from oasiskv.config_checks import check_field_types
 from oasiskv.layers.norm import RMSNorm
 from oasiskv.layers.rotary import RotaryEmbedding
 from oasiskv.models.llama import LlamaForCausalLM, LlamaMLP
@@ -147,13 +149,74 @@ class EagleHead(nn.Module):
                   str(path / WEIGHTS_FILE))
 
 
+def read_config(path: Path) -> EagleConfig:
+    """The head's config.json, refused (naming the file and fields) when a field is missing,
+    unknown, of the wrong type or not positive."""
+    file = path / CONFIG_FILE
+    try:
+        data = json.loads(file.read_text())
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{file}: not readable JSON ({e})") from None
+    fields = {f.name: f for f in dataclasses.fields(EagleConfig)}
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: holds {type(data).__name__}, not a JSON object")
+    missing = sorted(n for n, f in fields.items()
+                     if n not in data and f.default is dataclasses.MISSING)
+    unknown = sorted(set(data) - set(fields))
+    if missing or unknown:
+        raise ValueError(f"{file}: missing fields {missing}, unknown fields {unknown}")
+    cfg = EagleConfig(**data)
+    try:
+        check_field_types(cfg)
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
+    sizes = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+             "max_position", "vocab_size", "draft_vocab", "window")
+    bad = [f"{n}={getattr(cfg, n)}" for n in sizes if getattr(cfg, n) <= 0]
+    layers = cfg.aux_layers
+    if not isinstance(layers, list) or not layers or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+        bad.append(f"aux_layers={layers!r} (a non-empty list of layer indices)")
+    if bad:
+        raise ValueError(f"{file}: not positive: {', '.join(bad)}")
+    return cfg
+
+
+def read_weights(path: Path, cfg: EagleConfig) -> dict[str, torch.Tensor]:
+    """head.safetensors, refused (naming the file and tensors) when it cannot be read or its
+    tensors are not the ones, of the shapes, that `cfg` makes."""
+    file = path / WEIGHTS_FILE
+    try:
+        weights = load_file(str(file))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file, truncated or corrupted? "
+                         f"({e})") from None
+    d2t = weights.get("d2t")
+    if d2t is None or tuple(d2t.shape) != (cfg.draft_vocab,) or d2t.is_floating_point():
+        raise ValueError(f"{file}: d2t must be {cfg.draft_vocab} integer token ids, got "
+                         f"{None if d2t is None else (tuple(d2t.shape), d2t.dtype)}")
+    if d2t.numel() and not 0 <= int(d2t.min()) <= int(d2t.max()) < cfg.vocab_size:
+        raise ValueError(f"{file}: d2t holds token ids outside [0, {cfg.vocab_size})")
+    with torch.device("meta"):  # the shapes `cfg` makes, no memory
+        want = EagleHead(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size),
+                         torch.empty(cfg.vocab_size, cfg.hidden_size), d2t.to("meta")
+                         ).state_dict()
+    missing, unknown = sorted(set(want) - set(weights)), sorted(set(weights) - set(want))
+    shapes = [f"{k} {tuple(weights[k].shape)} (the config makes {tuple(want[k].shape)})"
+              for k in sorted(set(want) & set(weights)) if weights[k].shape != want[k].shape]
+    if missing or unknown or shapes:
+        raise ValueError(f"{file} does not fit {CONFIG_FILE}: missing {missing[:5]}, unknown "
+                         f"{unknown[:5]}, wrong shapes {shapes[:5]}")
+    return weights
+
+
 def load_head(path: str | Path, target: LlamaForCausalLM) -> EagleHead:
     """A trained head from its directory, attached to `target`'s embedding and LM head."""
     path = Path(path)
     if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
         raise ValueError(f"{path} is not a trained draft head (needs {CONFIG_FILE} and "
                          f"{WEIGHTS_FILE}; make one with `oasiskv train-drafter`)")
-    cfg = EagleConfig(**json.loads((path / CONFIG_FILE).read_text()))
+    cfg = read_config(path)
     mc = target.config
     if (cfg.hidden_size, cfg.vocab_size) != (mc.hidden_size, mc.vocab_size) or max(
             cfg.aux_layers) >= mc.num_layers:
@@ -161,7 +224,7 @@ def load_head(path: str | Path, target: LlamaForCausalLM) -> EagleHead:
                          f"{cfg.hidden_size}, vocabulary {cfg.vocab_size}); the target has "
                          f"hidden {mc.hidden_size}, vocabulary {mc.vocab_size}, "
                          f"{mc.num_layers} layers")
-    weights = load_file(str(path / WEIGHTS_FILE))
+    weights = read_weights(path, cfg)
     head = EagleHead(cfg, target.model.embed_tokens.weight, target.lm_head.weight,
                      weights["d2t"])
     head.load_state_dict(weights)
