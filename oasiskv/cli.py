@@ -10,6 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
+from oasiskv.cli_input import Parser, read_prompt
 from oasiskv.config import CacheConfig, EngineConfig
 from oasiskv.disagg.handoff import TRANSFERS
 from oasiskv.spec.train import TrainSpec
@@ -49,9 +50,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from oasiskv import LLM, SamplingParams
 
-    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
-    if prompt is None:
-        raise ValueError("give --prompt TEXT or --prompt-file FILE")
+    prompt = read_prompt(args)
     llm = LLM(**engine_kwargs(args))
     tracer = llm.engine.trace() if args.trace else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -86,9 +85,7 @@ def _cmd_pd(args: argparse.Namespace) -> int:
     from oasiskv.disagg.mooncake import local_master
     from oasiskv.disagg.pd import DisaggregatedLLM
 
-    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
-    if prompt is None:
-        raise ValueError("give --prompt TEXT or --prompt-file FILE")
+    prompt = read_prompt(args)
     kwargs = {"kv_mode": "sparse", **engine_kwargs(args)}
     decode = {"f_host": kwargs.pop("f_host", 1.0)}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -133,15 +130,20 @@ def summary(out, stats: dict, steps: list[dict]) -> str:
     """The one-line report of `generate` (two lines for sparse runs)."""
     m = out.metrics
     tpot = f"{m.tpot * 1e3:.1f} ms" if m.tpot is not None else "n/a"
+    held = f"{stats['kv_peak_blocks']} blocks"
+    if "summary_ids_peak" in stats:  # sparse: slabs and the summaries of their histories
+        held += f" + {stats['summary_ids_peak']} block summaries"
+    # the device tensors' real size (KV pool and summaries), at most device_kv_budget
     line = (f"[oasiskv] prompt {m.num_prompt_tokens} tok | generated {m.num_generated_tokens} "
             f"tok ({out.finish_reason}) | TTFT {m.ttft:.2f} s | TPOT {tpot} | device KV "
-            f"{stats['kv_peak_bytes'] / _MiB:.1f} MiB peak ({stats['kv_peak_blocks']} blocks)")
+            f"{stats['device_peak_bytes'] / _MiB:.1f} MiB peak ({held}) of "
+            f"{stats['device_bytes_allocated'] / _MiB:.1f} MiB allocated")
     if "sparse_predicted" not in stats:
         return line
     decodes = [s for s in steps if s["decode_tokens"]]
     mean = {k: sum(s[k] for s in decodes) / max(len(decodes), 1)
             for k in (*_STEP_COLUMNS, "stall_s", "time_s")}
-    line += (f", of which a {stats['slab_bytes'] / _MiB:.1f} MiB working-set slab per request "
+    line += (f"; a {stats['slab_bytes'] / _MiB:.1f} MiB working-set slab per request "
              f"| host KV {stats['host_peak_bytes'] / _MiB:.1f} MiB peak")
     return line + (
         f"\n[oasiskv] sparse, per decode step (mean of {len(decodes)}): predicted "
@@ -178,8 +180,8 @@ def _cmd_eval_recall(args: argparse.Namespace) -> int:
 def _cmd_bench_throughput(args: argparse.Namespace) -> int:
     from oasiskv.bench.throughput import run_throughput_bench
 
-    run_throughput_bench(args)
-    return 0
+    rows = run_throughput_bench(args)
+    return 1 if any("error" in r for r in rows) else 0  # a peer crashed: its rows did not run
 
 
 def _cmd_bench_pd(args: argparse.Namespace) -> int:
@@ -246,7 +248,7 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="oasiskv", description=__doc__)
+    parser = Parser(prog="oasiskv", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -356,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: a temporary directory)")
     thr.add_argument("--peer", default="",
                      help="other engines on the same prompts: hf (transformers generate), llamacpp "
-                     "(llama.cpp on the same GGUF; pip install 'oasiskv[llamacpp]')")
+                     "(llama.cpp on the same GGUF; scripts/setup_llamacpp.sh builds it)")
     thr.add_argument("--predictor", default="lookahead")
     thr.add_argument("--repeats", type=int, default=1,
                      help="runs of every mode per level, in turn; the row is the median-TPS run")

@@ -49,6 +49,9 @@ class LLM:
             for out in outputs:
                 if out.finished:
                     finished[out.request_id] = out
+            if len(finished) < len(ids) and not self.engine.has_unfinished():  # never spin
+                lost = sorted(set(ids) - set(finished))
+                raise RuntimeError(f"internal error: the engine lost requests {lost}")
         bar.close()
         return [finished[i] for i in ids]
 
@@ -66,6 +69,8 @@ class LLM:
                         yield out
                         if out.finished:
                             return
+                if request_id not in self.engine.requests:  # never spin
+                    raise RuntimeError(f"internal error: the engine lost request {request_id}")
         finally:
             self.engine.abort(request_id)
 
@@ -77,6 +82,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        _check_messages(messages)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
@@ -90,14 +96,38 @@ class LLM:
         self.engine.close()
 
 
+# The roles every chat template we serve knows; a template renders an unknown one as plain
+# text (or fails deep inside jinja), so it is refused here.
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _check_messages(messages: object) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"a conversation must be a non-empty list of messages, got {messages!r}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise ValueError(f"chat message {i} must be a dict with a string 'content', got {m!r}")
+        if m.get("role") not in CHAT_ROLES:
+            raise ValueError(f"chat message {i} has role {m.get('role')!r}; the chat template "
+                             f"knows {', '.join(CHAT_ROLES)}")
+
+
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
+    try:
+        prompts = list(prompts)
+    except TypeError:
+        raise ValueError(f"prompts must be a string, a list of token ids or a list of those, "
+                         f"got {type(prompts).__name__}") from None
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt of token ids
     if not prompts:
         raise ValueError("no prompts given")
+    bad = [p for p in prompts if not isinstance(p, str | list | tuple)]
+    if bad:
+        raise ValueError(f"each prompt must be a string or a list of token ids, got "
+                         f"{type(bad[0]).__name__}")
     return prompts
 
 

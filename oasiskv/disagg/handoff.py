@@ -101,25 +101,27 @@ def take_handoff(kv: SparseKV, seq: Sequence, transfer: str) -> Handoff:
                           dtype=torch.long)
     tokens = (blocks[:, None] * B + torch.arange(B)).flatten()[:seq.num_computed_tokens - P * B]
     tail = kv.host_kv[:, :, :, tokens]  # [L, 2, Hkv, T, d]
-    namespace, slab_namespace = seq.host_cache.namespace, None
+    namespace = seq.host_cache.namespace
     if transfer == "partial":  # each layer's working-set blocks from the prompt
         kept = [m[(m >= 0) & (m < P)].unique() for m in ws.head_map]
     elif transfer == "slab":
-        slab_namespace = kv.remote.put_slab(namespace, kv.slab_kv(seq))
         kept = [torch.zeros(0, dtype=torch.long)] * len(ws.head_map)
     else:
         kept = [torch.arange(P)] * len(ws.head_map)
-    return Handoff(
+    handoff = Handoff(
         request_id=seq.request_id, namespace=namespace, prompt=seq.prompt,
         token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
         num_computed_tokens=seq.num_computed_tokens, transfer=transfer, kept=kept,
-        slab_namespace=slab_namespace,
+        slab_namespace=None,
         kmin=kv.kmin[:, ids].cpu(), kmax=kv.kmax[:, ids].cpu(), tail=tail.cpu(),
         head_map=ws.head_map.clone(), ages=ws.last_used - stamp(kv.step),
         seeded=list(ws.seeded), primed=list(ws.primed), draft_tokens=list(seq.draft_tokens),
         draft_weights=seq.draft_weights,
         generator_state=None if seq.generator is None else seq.generator.get_state(),
         metrics=seq.metrics, block_size=B)
+    if transfer == "slab":  # last: nothing that could fail after it leaves the slab stored
+        handoff.slab_namespace = kv.remote.put_slab(namespace, kv.slab_kv(seq))
+    return handoff
 
 
 def receive_handoff(kv: SparseKV, seq: Sequence, handoff: Handoff) -> int:

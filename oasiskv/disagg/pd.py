@@ -11,7 +11,9 @@ summaries, the active block, working sets) cross a pipe; KV blocks cross the sto
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 import time
+import traceback
 import uuid
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from tqdm.auto import tqdm
 
 from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
+from oasiskv.engine.invariants import live_namespaces
 from oasiskv.engine.sequence import RequestMetrics
 from oasiskv.outputs import RequestOutput
 from oasiskv.sampling_params import SamplingParams
@@ -56,6 +59,11 @@ class LocalPrefill:
             return _failed(req.request_id, str(e))
         return None
 
+    @property
+    def idle(self) -> bool:
+        """Nothing left to do: every request it took has come out of `poll`."""
+        return not self.engine.has_unfinished()
+
     def poll(self) -> list[RequestOutput]:
         """Finished outputs: hand-overs, and requests that ended on the prefill worker."""
         if not self.engine.has_unfinished():
@@ -66,8 +74,19 @@ class LocalPrefill:
         self.engine.close()
 
 
+class WorkerStartError(RuntimeError, ValueError):
+    """The prefill worker's process did not start: its engine refused the settings (its
+    message), it died (exit code) or it took too long. A ValueError, as bad settings are."""
+
+
 def _prefill_main(config: EngineConfig, conn) -> None:  # noqa: ANN001 - a Connection
-    worker = LocalPrefill(config)
+    try:
+        worker = LocalPrefill(config)
+    except Exception as e:  # the parent says why, rather than meeting a bare end of pipe
+        if not isinstance(e, ValueError):
+            traceback.print_exc()  # a bug, not bad settings: keep where it happened
+        conn.send(("error", str(e) if isinstance(e, ValueError) else repr(e)))
+        return
     conn.send("ready")
     try:
         while True:
@@ -102,10 +121,20 @@ class ProcessPrefill:
         self._proc = ctx.Process(target=_prefill_main, args=(self.config, child), daemon=True)
         self._proc.start()
         child.close()
-        if not self._conn.poll(self.startup_s) or self._conn.recv() != "ready":
+        try:
+            ready = self._conn.recv() if self._conn.poll(self.startup_s) else None
+        except (EOFError, OSError):  # it died before a word: killed, or crashed
+            self._proc.join(10)
+            code = self._proc.exitcode
             self.close()
-            raise RuntimeError(f"the prefill worker did not start within {self.startup_s} s "
-                               f"(exit code {self._proc.exitcode})")
+            how = (f"signal {signal.Signals(-code).name}" if code and code < 0
+                   else f"exit code {code}")
+            raise WorkerStartError(f"the prefill worker died while starting ({how})") from None
+        if ready != "ready":
+            self.close()
+            raise WorkerStartError(
+                f"the prefill worker did not start: {ready[1]}" if ready else
+                f"the prefill worker did not start within {self.startup_s} s")
 
     @property
     def pid(self) -> int:
@@ -114,6 +143,10 @@ class ProcessPrefill:
     @property
     def alive(self) -> bool:
         return self._proc.is_alive()
+
+    @property
+    def idle(self) -> bool:
+        return False  # its own process: it may be busy (its death is noticed by `alive`)
 
     def submit(self, req: PrefillRequest) -> RequestOutput | None:
         try:
@@ -164,8 +197,12 @@ class DisaggregatedLLM:
         self.transfer = transfer
         self.decode = LLMEngine(EngineConfig.from_kwargs(
             **{**kwargs, **({"remote_lend": "0"} if mooncake else {}), **(decode or {})}))
-        self.prefill = ProcessPrefill(prefill_config) if mooncake else LocalPrefill(
-            prefill_config)
+        try:
+            self.prefill = ProcessPrefill(prefill_config) if mooncake else LocalPrefill(
+                prefill_config)
+        except BaseException:
+            self.decode.close()  # no worker left behind by a failed start
+            raise
         self.handoffs: dict[str, object] = {}  # request id -> its Handoff (for reports)
 
     def generate(self, prompts: Seq[str | list[int]],
@@ -211,12 +248,28 @@ class DisaggregatedLLM:
                     if rid not in outs and rid not in self.handoffs:
                         outs[rid] = _failed(rid, "the prefill worker died before handing it "
                                             "over")
-            if not progressed and isinstance(self.prefill, ProcessPrefill):
+            if not progressed and self.prefill.idle:
+                # neither worker holds a request that has not come out: never wait for it
+                for rid in ids:
+                    if rid not in outs:
+                        outs[rid] = _failed(rid, "internal error: the engines lost the request")
+            elif not progressed and isinstance(self.prefill, ProcessPrefill):
                 time.sleep(0.005)  # the prefill worker is busy in its own process
             if len(outs) > bar.n:
                 bar.update(len(outs) - bar.n)
         bar.close()
         return [outs[rid] for rid in ids]
+
+    def check_invariants(self) -> None:
+        """Both engines' (`LLMEngine.check_invariants`), over the store they share: a namespace
+        may be held by either worker's live requests. A prefill worker in its own process is
+        not checked."""
+        if isinstance(self.prefill, LocalPrefill):
+            prefill = self.prefill.engine
+            prefill.check_invariants(live_namespaces(self.decode))
+            self.decode.check_invariants(live_namespaces(prefill))
+        else:
+            self.decode.check_invariants()
 
     def close(self) -> None:
         self.prefill.close()

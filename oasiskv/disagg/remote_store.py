@@ -75,6 +75,11 @@ class RemoteStoreError(RuntimeError):
         self.codes = list(codes)
 
 
+class StoreUnreachable(RemoteStoreError, ValueError):
+    """The store cannot be opened at start (its master does not answer): a ValueError, as a
+    bad `remote_store` address is, raised where the engine is built."""
+
+
 def _describe(keys: Sequence[BlockKey | str], codes: Sequence[int | None], limit: int = 8) -> str:
     parts = [str(k) if c is None else f"{k} ({mooncake_code_name(c)})"
              for k, c in zip(keys[:limit], codes[:limit], strict=False)]
@@ -135,6 +140,10 @@ class RemoteStore(abc.ABC):
     def remove(self, namespace: str) -> int:
         """Drops every block of a request or prefix; returns how many were removed."""
 
+    def namespaces(self) -> set[str] | None:
+        """The namespaces that hold blocks, where the backend can list them (else None)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Releases the backend's resources; the store is unusable afterwards."""
 
@@ -183,6 +192,10 @@ class InProcessStore(RemoteStore):
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         with self._lock:
             return [k in self._blocks for k in keys]
+
+    def namespaces(self) -> set[str]:
+        with self._lock:
+            return {k.namespace for k in self._blocks}
 
     def remove(self, namespace: str) -> int:
         with self._lock:
@@ -248,13 +261,14 @@ class MooncakeStore(RemoteStore):
         host, _, port = master_addr.rpartition(":")
         # Mooncake's setup() retries an unreachable master 20 times (~90 s): fail fast instead.
         if not port.isdigit() or not port_open(host.strip("[]"), int(port), 2.0):
-            raise RemoteStoreError(f"Mooncake master {master_addr} is not reachable")
+            raise StoreUnreachable(f"remote_store: Mooncake master {master_addr} is not "
+                                   "reachable (is mooncake_master running there?)")
         client = store_mod.MooncakeDistributedStore()
         rc = client.setup(local_hostname, metadata_server, segment_bytes, local_buffer_bytes,
                           protocol, rdma_devices, master_addr)
         if rc != 0:
-            raise RemoteStoreError(f"Mooncake setup against master {master_addr} failed with "
-                                   f"code {rc}")
+            raise StoreUnreachable(f"remote_store: Mooncake setup against master "
+                                   f"{master_addr} failed with code {rc}")
         self._client = client
         # Staging for batches the caller's memory cannot serve directly: [max_batch, 2, Hkv, B, d]
         self._staging = torch.empty((max_batch_blocks, *self.block_shape), dtype=dtype)

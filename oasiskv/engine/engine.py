@@ -13,12 +13,15 @@ from collections.abc import Callable
 import torch
 
 from oasiskv.config import CacheConfig, EngineConfig, ModelConfig, parse_bytes
-from oasiskv.disagg.handoff import TRANSFERS, Handoff, receive_handoff, take_handoff
-from oasiskv.disagg.remote_store import RemoteStoreError
+from oasiskv.disagg.handoff import TRANSFERS, Handoff
+from oasiskv.engine import remote_steps
+from oasiskv.engine.failures import StepFailures
+from oasiskv.engine.invariants import check_invariants
 from oasiskv.engine.runner import ModelRunner, allocate_kv, is_decode
 from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import BlockPool, KVAllocator
+from oasiskv.kv.device_budget import device_memory, split_dense, split_sparse, summary_bytes
 from oasiskv.kv.remote_tier import RemoteTier, open_store
 from oasiskv.kv.residency import SparseKV
 from oasiskv.layers.linear import pack_linears
@@ -87,8 +90,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.requests: dict[str, Sequence] = {}
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
-                         "requests_finished": 0, "requests_failed": 0, "step_failures": 0,
-                         "drafts": 0, "drafts_right": 0, "spec_accepted": 0,
+                         "requests_added": 0, "requests_finished": 0, "requests_failed": 0,
+                         "step_failures": 0, "drafts": 0, "drafts_right": 0, "spec_accepted": 0,
                          "prefix_reused_tokens": 0}
         self.host_cache_peak = 0  # remote store: most host blocks a finished request held
         lookahead = config.cache.kv_mode == "sparse" and config.cache.predictor == "lookahead"
@@ -107,20 +110,18 @@ class LLMEngine:
         self.step_hooks: list[Callable[[ScheduledBatch], None]] = []
 
     def _build_kv(self, cache: CacheConfig, mc: ModelConfig, dtype: torch.dtype) -> None:
-        """Device pool (dense blocks, or sparse slabs and summaries), and in sparse mode the
-        host tier. Summaries are stored by host block but paid in device blocks per request."""
+        """Device tensors (dense blocks, or sparse slabs and block summaries) that together
+        take at most device_kv_budget bytes (`kv/device_budget.py`), and in sparse mode the
+        host tier."""
         block = cache.block_size
         self.bytes_per_block = mc.kv_bytes_per_token(dtype) * block
         if cache.kv_mode == "sparse" and self.device.type != "cpu":
             raise ValueError("kv_mode=sparse runs on the CPU for now: its prefill reads the "
                              "host tier in place (the GPU path needs the prefetch executor)")
-        num_blocks = cache.device_kv_budget // self.bytes_per_block
-        if num_blocks == 0:
-            raise ValueError(f"device_kv_budget {cache.device_kv_budget} B leaves no room for "
-                             f"one KV block ({self.bytes_per_block} B)")
-        device_kv = allocate_kv(mc, num_blocks, block, dtype, self.device)
-        self.pool = BlockPool(num_blocks, block)
         if cache.kv_mode == "dense":
+            self.device_split = split_dense(cache.device_kv_budget, self.bytes_per_block)
+            device_kv = allocate_kv(mc, self.device_split.kv_blocks, block, dtype, self.device)
+            self.pool = BlockPool(self.device_split.kv_blocks, block)
             self.kv = KVAllocator(self.pool)
             self.sparse = None
             self.runner = ModelRunner(self.model, device_kv, block)
@@ -129,22 +130,31 @@ class LLMEngine:
             if host_blocks == 0:
                 raise ValueError(f"host_kv_budget {cache.host_kv_budget} B is smaller than one "
                                  f"KV block ({self.bytes_per_block} B)")
+            one_node = cache.remote_store == "none"
+            summary_dtype = cache.summary_torch_dtype(dtype)
+            # Summary ids the host tier can use: one node, one per host block (its id); with a
+            # remote store they outlive host blocks: enough for every request that host caches
+            # at f_host could hold (a budget >= f_host * history).
+            split = self.device_split = split_sparse(
+                cache.device_kv_budget, self.bytes_per_block, summary_bytes(mc, summary_dtype),
+                cache.slab_blocks, -(-self.max_model_len // block),
+                host_blocks if one_node else math.ceil(host_blocks / cache.f_host))
+            if one_node and split.summary_ids < host_blocks:
+                log.info("host tier: %d of host_kv_budget's %d blocks, the most whose "
+                         "summaries device_kv_budget holds beside the slabs",
+                         split.summary_ids, host_blocks)
+                host_blocks = split.summary_ids
+            device_kv = allocate_kv(mc, split.kv_blocks, block, dtype, self.device)
+            self.pool = BlockPool(split.kv_blocks, block)
             host_kv = allocate_kv(mc, host_blocks, block, dtype,
                                   pin=torch.cuda.is_available())
             self.host_pool = BlockPool(host_blocks, block)
             remote = self._build_remote(cache, mc, dtype, host_kv)
-            # With a remote store summary ids outlive host blocks: enough ids for every
-            # request that host caches at f_host could hold (a budget >= f_host * history).
-            summary_ids = host_blocks if remote is None else math.ceil(host_blocks / cache.f_host)
-            summary_dtype = cache.summary_torch_dtype(dtype)
-            # a block's kmin/kmax take 2 of its 2B rows: B summaries per device block in the
-            # KV dtype, 2B in one half its size
-            per_block = block * dtype.itemsize // summary_dtype.itemsize
             self.kv = KVAllocator(self.pool, self.host_pool, slab_blocks=cache.slab_blocks,
                                   summaries=None if remote is None else
-                                  BlockPool(summary_ids, block),
-                                  summaries_per_block=max(per_block, 1))
-            summary = (mc.num_layers, summary_ids, mc.num_kv_heads, mc.head_dim)
+                                  BlockPool(split.summary_ids, block),
+                                  summary_room=split.summary_room)
+            summary = (mc.num_layers, split.summary_ids, mc.num_kv_heads, mc.head_dim)
             executor = make_executor(cache.prefetch, self.device)
             weakref.finalize(self, executor.close)  # no worker outlives the engine
             self.sparse = SparseKV(cache, device_kv, host_kv,
@@ -204,17 +214,25 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, model context is "
                              f"{self.max_model_len} (it must leave room for one output token)")
-        max_context = min(len(ids) + params.max_tokens, self.max_model_len)
+        max_context = len(ids) + params.max_tokens
+        if max_context > self.max_model_len:  # refused, not capped (vLLM's check and words)
+            raise ValueError(f"max_tokens is too large: {params.max_tokens}. This model's "
+                             f"maximum context length is {self.max_model_len} tokens and your "
+                             f"request has {len(ids)} input tokens ({params.max_tokens} > "
+                             f"{self.max_model_len} - {len(ids)})")
         problem = self.kv.fits_alone(max_context)
         if problem:
             raise ValueError(problem)
         request_id = request_id or str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        bad = [t for t in params.forced_tokens
-               if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"forced tokens {bad[:5]} are outside the vocabulary")
+        for what, tokens in (("forced tokens", params.forced_tokens),
+                             ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in tokens
+                   if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"{what} {bad[:5]} are outside the vocabulary "
+                                 f"[0, {self.model_config.vocab_size})")
         if prefix_kv is not None:
             prefix_kv = self._check_prefix_kv(prefix_kv, len(ids))
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -265,6 +283,7 @@ class LLMEngine:
                 self.counters["prefix_reused_tokens"] += kv.shape[3]
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
+        self.counters["requests_added"] += 1
         return seq.request_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -347,17 +366,30 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def check_invariants(self, foreign_namespaces: set[str] = frozenset()) -> None:
+        """Raises InvariantError naming every broken invariant (`engine/invariants.py`);
+        `foreign_namespaces`: store namespaces another engine's live requests hold."""
+        check_invariants(self, foreign_namespaces)
+
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one batch; returns an output for every request that made progress or ended."""
+        """Runs one batch; returns an output for every request that made progress or ended.
+        An exception fails the requests it concerns, never the engine (`failures.py`)."""
         batch = self.scheduler.schedule()
         if not batch:
             return self._fail_stuck()
-        failed = self._receive(batch)
+        failures = StepFailures(lambda seq, error: self._finish(seq, "error", error=error))
+        if self.sparse is not None and self.sparse.remote is not None:
+            remote_steps.receive(self, batch, failures)
         batch = [(seq, n) for seq, n in batch if not seq.is_finished]
-        if not batch:
-            return [self._output(seq) for seq in failed]
+        seqs = self._run(batch, failures) if batch else []
+        return [self._output(seq)
+                for seq in seqs + [f for f in failures.failed if all(f is not s for s in seqs)]]
+
+    def _run(self, batch: ScheduledBatch, failures: StepFailures) -> list[Sequence]:
+        """The batch's forward pass and sampling, then each request's share of the step;
+        returns the requests that sampled."""
         now = time.perf_counter()
         for seq, _ in batch:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
@@ -373,14 +405,16 @@ class LLMEngine:
                               if f is not None}
             tokens = self._sample(logits, seqs, drafts)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine
-            return self._on_step_failure(batch, e)
+            self.counters["step_failures"] += 1
+            failures.forward_failed(batch, e)
+            return []
+        # The forward pass wrote every request's K/V: all of them advance, before anything
+        # that can fail for one of them alone.
         self.counters["steps"] += 1
         done = time.perf_counter()
         entry = {"step": self.counters["steps"], "seqs": len(batch), "prefill_tokens": 0,
                  "decode_tokens": 0, "time_s": done - now}
-        for (seq, n), feats in zip(batch, features, strict=True):
-            if feats is not None:
-                self.drafter.observe(seq.request_id, seq.num_computed_tokens, feats[:n])
+        for seq, n in batch:
             seq.suspect = False
             entry["decode_tokens" if is_decode(seq, n) else "prefill_tokens"] += n
             seq.num_computed_tokens += n
@@ -389,80 +423,22 @@ class LLMEngine:
         if self.sparse is not None:
             entry.update(vars(self.sparse.last_step))
         self.step_log.append(entry)
-        failed += self._fail_remote(batch)
+        for (seq, n), feats in zip(batch, features, strict=True):
+            if feats is not None:
+                with failures.guard(seq, "the drafter's observe"):
+                    self.drafter.observe(seq.request_id, seq.num_computed_tokens - n, feats[:n])
+        remote = self.sparse is not None and self.sparse.remote is not None
+        if remote:
+            remote_steps.fail_fetches(batch, failures)
         for seq, (token, accepted) in zip(seqs, tokens, strict=True):
             if not seq.is_finished:
-                self._advance(seq, token, accepted, drafts[id(seq)], done,
-                              draft_features.get(id(seq)))
-        self._store_prompts(batch)
-        self._hand_off(seqs)
-        return [self._output(seq)
-                for seq in seqs + [f for f in failed if all(f is not s for s in seqs)]]
-
-    def _receive(self, batch: ScheduledBatch) -> list[Sequence]:
-        """Decode worker: installs the hand-overs of requests admitted this step; returns
-        those whose blocks could not be read (failed with the store's error)."""
-        failed = []
-        for seq, _ in batch:
-            if seq.handoff is None or seq.host_cache is not None:
-                continue
-            try:
-                read = receive_handoff(self.sparse, seq, seq.handoff)
-            except RemoteStoreError as e:
-                log.error("request %s failed: %r", seq.request_id, e)
-                self._finish(seq, "error", error=f"remote tier: reading the hand-over of "
-                             f"request {seq.request_id} failed: {e}")
-                failed.append(seq)
-                continue
-            self.sparse.counters.handoff_bytes += read + seq.handoff.metadata_bytes
-        return failed
-
-    def _hand_off(self, seqs: list[Sequence]) -> None:
-        """Prefill worker: a request with a transfer mode leaves after its first decode step
-        with what a decode worker needs (its prompt blocks stay in the store)."""
-        for seq in seqs:
-            if seq.transfer is None or seq.is_finished or seq.working_set is None:
-                continue
-            self.sparse.flush()  # the next step's blocks are chosen and fetched
-            try:
-                seq.handoff = take_handoff(self.sparse, seq, seq.transfer)
-            except RemoteStoreError as e:
-                log.error("request %s failed: %r", seq.request_id, e)
-                self._finish(seq, "error", error=f"remote tier: putting the hand-over of "
-                             f"request {seq.request_id} failed: {e}")
-                continue
-            self._finish(seq, "handoff")
-
-    def _fail_remote(self, batch: ScheduledBatch) -> list[Sequence]:
-        """Requests whose remote fetch failed (this step or, with async prefetch, before):
-        their working sets lack blocks, so they end with the store's error; others go on."""
-        failed = [seq for seq, _ in batch
-                  if seq.host_cache is not None and seq.host_cache.error and not seq.is_finished]
-        for seq in failed:
-            log.error("request %s failed: %s", seq.request_id, seq.host_cache.error)
-            self._finish(seq, "error", error=seq.host_cache.error)
-        return failed
-
-    def _store_prompts(self, batch: ScheduledBatch) -> None:
-        """Remote store: a request whose prefill this step completed puts its complete prompt
-        blocks to the store and keeps a bounded host cache (after the step, so a failed step
-        is redone on the whole host history). A failing put fails only that request."""
-        if self.sparse is None or self.sparse.remote is None:
-            return
-        for seq, _ in batch:
-            if (seq.is_finished or seq.host_cache is not None or seq.in_prefill
-                    or seq.num_computed_tokens < seq.num_prompt_tokens):
-                continue
-            try:
-                self.sparse.store_prompt(seq)
-            except RemoteStoreError as e:
-                log.error("request %s failed: %r", seq.request_id, e)
-                # whatever part of the prompt got there
-                self.sparse.remote.remove(self.sparse.remote.namespace(seq.request_id))
-                self._finish(seq, "error", error=f"remote tier: storing the prompt of request "
-                             f"{seq.request_id} failed: {e}")
-                continue
-            self.kv.shrink_host(seq, seq.host_cache.owned)
+                with failures.guard(seq, "taking its sampled token"):
+                    self._advance(seq, token, accepted, drafts[id(seq)], done,
+                                  draft_features.get(id(seq)))
+        if remote:
+            remote_steps.store_prompts(self, batch, failures)
+            remote_steps.hand_off(self, seqs, failures)
+        return seqs
 
     def _advance(self, seq: Sequence, token: int | Exception, accepted: bool,
                  draft_row: torch.Tensor | None, now: float,
@@ -584,36 +560,22 @@ class LLMEngine:
         seq.finish_reason, seq.error = reason, error
         seq.metrics.finish_time = time.perf_counter()
         seq.metrics.num_generated_tokens = seq.num_output_tokens - drop_last
-        if seq.working_set is not None:
-            # its prefetch and fill jobs for the next step may still write its host blocks,
-            # which the next request may get: they finish first
-            self.sparse.flush()
-        if seq.host_cache is not None:
-            self.host_cache_peak = max(self.host_cache_peak, seq.host_cache.peak)
-            if reason != "handoff":  # its blocks leave the store with it (handed over: they
-                self.sparse.remote.remove(seq.host_cache.namespace)  # go with the decoder)
-        elif seq.handoff is not None:  # a hand-over that was never received
-            self.sparse.remote.drop_handoff(seq.handoff)
+        if self.sparse is not None:
+            # no block is freed while a prefetch job may still write it (a failed job's
+            # siblings in other layers too): the next request to get it would see that write
+            self.sparse.release(seq)
+            if seq.host_cache is not None:
+                self.host_cache_peak = max(self.host_cache_peak, seq.host_cache.peak)
+            if self.sparse.remote is not None and reason != "handoff":  # handed over: its
+                self.sparse.remote.drop_request(seq)  # blocks go on with the decode worker
         self.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
-        if self.drafter is not None:
-            self.drafter.release(seq.request_id)
         self.counters["requests_failed" if reason == "error" else "requests_finished"] += 1
-
-    def _on_step_failure(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
-        """Nothing of the failed step is kept (its KV writes are redone on retry). A request
-        that fails alone is failed with the error; in a batch, each request is retried alone so
-        that only the culprit fails."""
-        self.counters["step_failures"] += 1
-        if len(batch) > 1:
-            log.warning("step failed (%s); retrying its %d requests one by one", exc, len(batch))
-            for seq, _ in batch:
-                seq.suspect = True
-            return []
-        seq = batch[0][0]
-        log.error("request %s failed: %r", seq.request_id, exc)
-        self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
-        return [self._output(seq)]
+        if self.drafter is not None:
+            try:
+                self.drafter.release(seq.request_id)
+            except Exception as e:  # noqa: BLE001 - its state is a hint; the request is over
+                log.warning("drafter failed to release request %s: %r", seq.request_id, e)
 
     def _fail_stuck(self) -> list[RequestOutput]:
         # Unreachable when validation holds: a lone request always fits the pool.
@@ -671,5 +633,5 @@ class LLMEngine:
                 "kv_bytes_held": used * self.bytes_per_block,
                 "kv_peak_blocks": self.pool.peak_used,
                 "kv_peak_bytes": self.pool.peak_used * self.bytes_per_block,
-                "kv_bytes_per_block": self.bytes_per_block}
+                "kv_bytes_per_block": self.bytes_per_block, **device_memory(self)}
 

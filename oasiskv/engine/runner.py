@@ -139,7 +139,7 @@ class ModelRunner:
 
     def write_prefix(self, seq: Sequence) -> None:
         """Puts a request's given prefix K/V where its prefill would have written it."""
-        kv, seq.prefix_kv = seq.prefix_kv, None
+        kv = seq.prefix_kv
         pool, table = self._kv_home(seq)
         n = kv.shape[3]
         used = table[:-(-n // self.block_size)]
@@ -151,6 +151,7 @@ class ModelRunner:
                              kv.to(pool.device))
         if self.sparse is not None:
             self.sparse.summarize_prefill(seq, 0, n)
+        seq.prefix_kv = None  # only once it is all there: a failed step's retry writes it again
 
     def read_kv(self, seq: Sequence, n: int) -> torch.Tensor:
         """K/V of a request's first n tokens, [L, 2, Hkv, n, d] (a copy)."""

@@ -50,7 +50,8 @@ def open_store(spec: str, block_shape: tuple[int, int, int, int], dtype: torch.d
             raise ValueError(f"{spec} holds blocks {store.block_shape} {store.dtype}, this "
                              f"engine's are {tuple(block_shape)} {dtype}")
         return store
-    # Multi-machine: this host's address as peers reach it, and the transport (README).
+    # This host's address as peers reach it, and the transport; only tcp on 127.0.0.1 has
+    # run (both PD workers start on one host, README).
     env = os.environ
     return MooncakeStore(block_shape, dtype, spec.removeprefix("mooncake://"),
                          segment_bytes=lend_bytes,
@@ -78,6 +79,16 @@ def prefix_hashes(tokens: list[int], block_size: int, num_blocks: int) -> list[s
         chunk = tokens[b * block_size:(b + 1) * block_size]
         running.update(torch.tensor(chunk, dtype=torch.int64).numpy().tobytes())
         out.append(running.copy().hexdigest()[:32])
+    return out
+
+
+def request_namespaces(seq: Sequence) -> set[str]:
+    """The store namespaces a request holds: its prompt blocks (put after its prefill, or
+    handed over to it) and a hand-over's slab not yet taken."""
+    handoff = seq.handoff
+    out = {seq.host_cache.namespace} if seq.host_cache is not None else set()
+    if handoff is not None:
+        out |= {handoff.namespace} | ({handoff.slab_namespace} - {None})
     return out
 
 
@@ -212,8 +223,10 @@ class RemoteTier:
         from the store. Raises RemoteStoreError when the read fails."""
         keys = [BlockKey(slab_namespace, layer, s)
                 for layer in range(num_layers) for s in range(top_k)]
-        slab = self.store.get_blocks(keys)
-        self.remove(slab_namespace)
+        try:
+            slab = self.store.get_blocks(keys)
+        finally:  # read once: a failed read leaves nothing behind either
+            self.remove(slab_namespace)
         return slab.view(num_layers, top_k, *slab.shape[1:])
 
     def fetch(self, wants: list[tuple[HostCache, torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -281,6 +294,11 @@ class RemoteTier:
             self.store.remove(namespace)
         except RemoteStoreError:
             pass
+
+    def drop_request(self, seq: Sequence) -> None:
+        """A request that ended (not handed over): whatever it holds in the store leaves."""
+        for namespace in request_namespaces(seq):
+            self.remove(namespace)
 
     def drop_handoff(self, handoff: Handoff) -> None:
         """A hand-over that will not be received: its blocks (and slab) leave the store."""

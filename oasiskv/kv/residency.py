@@ -201,6 +201,13 @@ class SparseKV:
         self._reset([])
         self._take_pending()
 
+    def release(self, seq: Sequence) -> None:
+        """Before a request's blocks are freed: waits for every job that may still write them
+        (also the jobs of other layers when one of its jobs failed), so that the request that
+        gets the blocks next never sees a stale fill or fetch land in them."""
+        if self.pipeline.touches(seq):
+            self.flush()
+
     def _count(self, **amounts: float) -> None:
         with self._lock:  # jobs count from worker threads
             for name, value in amounts.items():
@@ -302,9 +309,7 @@ class SparseKV:
         self._trace_layer(self.device_kv.shape[0] - 1)
         self._select_deferred()  # before the fills: a filled block displaces the step's picks
         self._write_through([d for d in self._decodes if (d.pos + 1) % B])
-        for d in self._decodes:
-            if (d.pos + 1) % B == 0:
-                self._submit_fill(d, d.pos // B)
+        self._submit_fills([(d, d.pos // B) for d in self._decodes if (d.pos + 1) % B == 0])
         self._retune(len(self._decodes))
         self._decodes = []
         self._take_pending()
@@ -340,17 +345,33 @@ class SparseKV:
         self.device_kv[:, 0, :, slot] = k
         self.device_kv[:, 1, :, slot] = v
         if (pos + 1) % B == 0:
-            self._submit_fill(self._decode(seq, None, pos), block)
+            self._submit_fills([(self._decode(seq, None, pos), block)])
             self.flush()
 
-    def _submit_fill(self, d: StepDecode, block: int) -> None:
+    def _submit_fills(self, fills: list[tuple[StepDecode, int]]) -> None:
+        """The completed blocks (decode, logical block) as one fill job per layer group for
+        all requests, in layer order: the fill worker runs jobs in turn, each after its
+        layers' earlier jobs, so a job per request and group would hold request B's first
+        layers behind request A's later ones (and behind a slow fetch of those)."""
+        if not fills:
+            return
         # jobs keep what they need: the request may end (and free its tables) while they run
-        ws, step = d.seq.working_set, self.step
-        host, summary = self.host_block(d.seq, block), d.seq.summary_ids[block]
+        step = self.step
+        args = [(d, d.seq.working_set, block, self.host_block(d.seq, block),
+                 d.seq.summary_ids[block]) for d, block in fills]
+        seqs = [d.seq for d, _ in fills]
+
+        def fill(run: slice) -> None:
+            hook = self.stage_hooks.get("fill")
+            if hook is not None:
+                for layer in range(run.start, run.stop):
+                    hook(layer, seqs)
+            for a in args:
+                self._fill(*a, run, step)
+
         for run in self.layer_groups():
-            self.pipeline.submit(list(range(run.start, run.stop)), f"fill step {step}", [
-                ("fill", lambda run=run: self._fill(d, ws, block, host, summary, run, step))],
-                [d.seq])
+            self.pipeline.submit(list(range(run.start, run.stop)), f"fill step {step}",
+                                 [("fill", lambda run=run: fill(run))], seqs)
 
     def _fill(self, d: StepDecode, ws: WorkingSet, block: int, host: int, summary: int,
               run: slice, step: int) -> None:

@@ -52,6 +52,14 @@ class PrefetchPipeline:
             if self.tracer is not None and end - start > 1e-5:
                 self.tracer.span("foreground", f"wait L{layer}", start, end)
 
+    def pending_owners(self) -> list:
+        """The requests that jobs not yet waited for touch (a job may still be running)."""
+        return [owner for owners in self._owners.values() for owner in owners]
+
+    def touches(self, owner: object) -> bool:
+        """Whether a job not yet waited for may still read or write `owner`'s blocks."""
+        return any(o is owner for o in self.pending_owners())
+
     def drain(self) -> list[PrefetchError]:
         """Waits for every layer; returns the failures instead of raising."""
         errors = []

@@ -206,8 +206,8 @@ growth, engines = {}, []
 for prefault in (None, False, True):  # the first engine also loads code and libraries
     before = resident()
     engines.append(LLMEngine(EngineConfig.from_kwargs(
-        model=sys.argv[1], kv_mode="sparse", top_k=4, device_kv_budget="8MiB",
-        host_kv_budget="96MiB", prefault_kv=bool(prefault))))
+        model=sys.argv[1], kv_mode="sparse", top_k=4, device_kv_budget="24MiB",
+        host_kv_budget="96MiB", prefault_kv=bool(prefault))))  # room for all host summaries
     growth[prefault] = resident() - before
 print(json.dumps([growth[False], growth[True], bool(engines[2].runner.host_kv.any())]))
 """
@@ -465,9 +465,13 @@ def test_stop_string_truncates_text(ref_llm, long_greedy, include):
 def test_max_model_len_is_length(model, long_greedy):
     prompt, ref, _ = long_greedy  # 9 prompt tokens
     llm = make_llm(model, max_model_len=20)
-    out = gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    out = gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=11, ignore_eos=True))[0]
     assert out.finish_reason == "length"
-    assert out.token_ids == ref[:11]  # 9 + 11 == 20
+    assert out.token_ids == ref[:11]  # 9 + 11 == 20: the whole context
+    # one more is refused, as vLLM refuses it, not silently capped
+    with pytest.raises(ValueError, match=r"context length is 20 tokens .* 9 input tokens "
+                                         r"\(12 > 20 - 9\)"):
+        gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
 
 
 # ---------------------------------------------------------------- sampling
