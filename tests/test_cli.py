@@ -134,14 +134,19 @@ def test_generate_end_to_end(tiny_llama, tmp_path, capsys):
     assert len(lines) == 1, captured.err
     summary = re.search(
         r"prompt (\d+) tok \| generated (\d+) tok \(length\) \| TTFT ([\d.]+) s \| "
-        r"TPOT ([\d.]+) ms \| device KV ([\d.]+) MiB peak \((\d+) blocks\)", lines[0])
+        r"TPOT ([\d.]+) ms \| device KV ([\d.]+) MiB peak \((\d+) blocks\) of ([\d.]+) MiB "
+        r"allocated", lines[0])
     assert summary, lines[0]
-    prompt_n, gen_n, ttft, tpot, mib, blocks = summary.groups()
+    prompt_n, gen_n, ttft, tpot, mib, blocks, allocated = summary.groups()
     assert int(prompt_n) == len(ids) and int(gen_n) == 5
     assert float(ttft) == pytest.approx(m["ttft_s"], abs=0.006)
     assert float(tpot) == pytest.approx(m["tpot_s"] * 1e3, abs=0.06)
     assert float(mib) == pytest.approx(s["kv_peak_bytes"] / 2**20, abs=0.06)
     assert int(blocks) == s["kv_peak_blocks"]
+    # the pool the runner writes into: every block of the 1 MiB budget
+    assert s["device_bytes_allocated"] == 1048576 // s["kv_bytes_per_block"] * s[
+        "kv_bytes_per_block"]
+    assert float(allocated) == pytest.approx(s["device_bytes_allocated"] / 2**20, abs=0.06)
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -190,6 +195,14 @@ def test_generate_sparse_prints_per_step_figures(tiny_llama, tmp_path, capsys):
     s = data["stats"]
     assert s["sparse_admitted"] <= s["sparse_wanted"] and s["sparse_hits"] > 0
     assert s["slab_bytes"] == 4 * s["kv_bytes_per_block"]  # K=2: working set, active, drafts
+    # one request: its slab and a summary for each block of its history, nothing else
+    assert s["kv_peak_blocks"] == 4
+    assert s["device_peak_bytes"] == (s["slab_bytes"] + s["summary_ids_peak"]
+                                      * s["summary_bytes_per_block"])
+    assert s["summary_ids_peak"] == -(-(data["metrics"]["prompt_tokens"] + 20) // 16)
+    head = next(ln for ln in err.splitlines() if ln.startswith("[oasiskv] prompt"))
+    assert (f"({s['kv_peak_blocks']} blocks + {s['summary_ids_peak']} block summaries) of "
+            f"{s['device_bytes_allocated'] / 2**20:.1f} MiB allocated") in head
     assert "| step | seqs |" in err  # the --step-stats table
     assert "prefetch stall" in line
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]

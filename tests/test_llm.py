@@ -1,86 +1,13 @@
-"""The Python API: every config field is an `LLM(...)` keyword that takes effect; config
-validation; `parse_bytes`; prompt/params shapes accepted by `generate`."""
-
-import dataclasses
+"""The Python API: config validation; `parse_bytes`; prompt/params shapes accepted by
+`generate`. That every config field is an `LLM(...)` keyword that takes effect:
+test_config_fields.py."""
 
 import pytest
-import torch
 
 from oasiskv import LLM, SamplingParams
-from oasiskv.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, parse_bytes
-
-
-def all_field_names() -> set[str]:
-    """Read from the dataclasses themselves, not from EngineConfig.flat_fields()."""
-    sections = {"cache", "scheduler", "spec"}
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert sections <= names
-    return ((names - sections) | {f.name for f in dataclasses.fields(CacheConfig)}
-            | {f.name for f in dataclasses.fields(SchedulerConfig)}
-            | {f.name for f in dataclasses.fields(SpecConfig)})
-
+from oasiskv.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
 
 BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K+V, 2 layers, 2 KV heads, head_dim 16, fp32
-
-# field -> (a non-default value, a check that it took effect in the engine)
-FIELD_VALUES = {
-    "model": (None, lambda e, path: e.config.model == path),
-    "dtype": ("bfloat16", lambda e, _: next(e.model.parameters()).dtype == torch.bfloat16
-              and e.runner.device_kv.dtype == torch.bfloat16),
-    "device": ("cpu", lambda e, _: e.device == torch.device("cpu")
-               and e.runner.device_kv.device.type == "cpu"),
-    "num_threads": (2, lambda e, _: torch.get_num_threads() == 2),
-    "seed": (7, lambda e, _: e.default_generator.initial_seed() == 7),
-    "block_size": (8, lambda e, _: e.pool.block_size == 8
-                   and e.bytes_per_block == 8 * BYTES_PER_TOKEN),
-    "device_kv_budget": ("96KiB", lambda e, _: e.pool.num_blocks == 96 * 1024
-                         // (16 * BYTES_PER_TOKEN) == 12),
-    "max_num_seqs": (2, lambda e, _: e.scheduler.cfg.max_num_seqs == 2),
-    "max_num_batched_tokens": (32, lambda e, _: e.scheduler.cfg.max_num_batched_tokens == 32),
-    "max_model_len": (64, lambda e, _: e.max_model_len == 64),
-    "kv_mode": ("sparse", lambda e, _: e.sparse is not None and e.kv.sparse),
-    "top_k": (4, lambda e, _: e.config.cache.top_k == 4),
-    "f_hbm": (0.5, lambda e, _: e.config.cache.fetch_cap == 64),
-    "host_kv_budget": ("1MiB", lambda e, _: e.config.cache.host_kv_budget == 2**20),
-    "predictor": ("exact", lambda e, _: e.config.cache.predictor == "exact"),
-    "drafter": ("ngram", lambda e, _: e.config.spec.drafter == "ngram"),
-    "num_drafts": (2, lambda e, _: e.config.spec.num_drafts == 2),
-    "speculative": ("accept", lambda e, _: e.config.spec.speculative == "accept"),
-    "forced_drafts": ("guessed", lambda e, _: e.config.spec.forced_drafts == "guessed"),
-    "draft_model": (None, lambda e, _: e.config.spec.draft_model is None),
-    "score_alpha": (0.5, lambda e, _: e.config.cache.score_alpha == 0.5),
-    "rerank": (2.0, lambda e, _: e.config.cache.rerank == 2.0),
-    "summary_dtype": ("float16", lambda e, _: e.config.cache.summary_dtype == "float16"),
-    "sink_blocks": (2, lambda e, _: e.config.cache.sink_blocks == 2),
-    "recent_blocks": (1, lambda e, _: e.config.cache.recent_blocks == 1),
-    "remote_store": ("none", lambda e, _: e.config.cache.remote_store == "none"),
-    "f_host": (1.0, lambda e, _: e.config.cache.f_host == 1.0),
-    "remote_lend": ("64MiB", lambda e, _: e.config.cache.remote_lend == "64MiB"),
-    "prefetch": ("async", lambda e, _: e.config.cache.prefetch == "async"),
-    "prefetch_group": (3, lambda e, _: e.config.cache.prefetch_group == 3),
-    "prefault_kv": (True, lambda e, _: e.config.cache.prefault_kv
-                    and not e.runner.device_kv.any()),
-}
-
-
-def test_field_table_covers_every_config_field():
-    assert set(FIELD_VALUES) == all_field_names()
-    assert {f.name for _, f in EngineConfig.flat_fields()} == all_field_names()
-
-
-@pytest.mark.parametrize("name", sorted(FIELD_VALUES))
-def test_every_config_field_is_an_llm_keyword(tiny_llama, name):
-    value, took_effect = FIELD_VALUES[name]
-    path = str(tiny_llama)
-    kwargs = {"model": path} if name == "model" else {"model": path, name: value}
-    try:
-        llm = LLM(**kwargs)
-        assert took_effect(llm.engine, path)
-        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2,
-                                                       ignore_eos=True), use_tqdm=False)[0]
-        assert len(out.token_ids) == 2
-    finally:
-        torch.set_num_threads(1)  # num_threads sets torch's process-wide count
 
 
 @pytest.mark.parametrize("kwargs, match", [

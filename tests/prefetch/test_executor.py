@@ -2,7 +2,6 @@
 one intra-op thread and leave the count of every other thread alone."""
 
 import threading
-import time
 
 import torch
 
@@ -10,11 +9,19 @@ from oasiskv.prefetch.executor import ThreadExecutor
 
 
 def test_a_stage_waits_for_every_handle_it_depends_on():
+    """The slow stage is held (a gate, not a sleep) after the fast one is done: the stage
+    that depends on both must not run until the gate opens."""
     ex = ThreadExecutor()
-    order = []
-    slow = ex.submit("local", lambda: (time.sleep(0.1), order.append("slow")))
+    order, gate, ran = [], threading.Event(), threading.Event()
+    slow = ex.submit("local", lambda: (gate.wait(60), order.append("slow")))
     fast = ex.submit("fill", lambda: order.append("fast"))
-    ex.submit("predict", lambda: order.append("after"), [fast, slow]).wait()
+    after = ex.submit("predict", lambda: (order.append("after"), ran.set()), [fast, slow])
+    fast.wait()
+    # a chance for a stage that waited on `fast` alone to run; correct code never does, so
+    # how long this waits decides only how surely such a bug shows, never a pass
+    assert not ran.wait(0.5)
+    gate.set()
+    after.wait()
     ex.close()
     assert order == ["fast", "slow", "after"]
 

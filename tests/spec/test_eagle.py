@@ -339,14 +339,18 @@ def test_engine_drafts_are_the_heads_and_acceptance_keeps_greedy_output(trained,
 
 
 @pytest.mark.parametrize("mode", [dict(), dict(speculative="accept")])
-def test_sparse_lookahead_runs_with_the_head(trained, tiny_llama, mode):
+def test_sparse_lookahead_with_the_head_decodes_like_dense(trained, tiny_llama, mode):
+    """top_k=5 covers every block (48 + 24 tokens: 4 complete ones and the active one), so
+    sparse decoding with the head's drafts must give dense greedy's tokens."""
     out, _ = trained
-    llm = LLM(str(tiny_llama), drafter=f"eagle:{out}", kv_mode="sparse", top_k=2, f_hbm=0.5,
+    prompts = corpus(3, 5)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    dense = LLM(str(tiny_llama)).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_llama), drafter=f"eagle:{out}", kv_mode="sparse", top_k=5, f_hbm=0.5,
               **mode)
-    got = llm.generate(corpus(3, 5), SamplingParams(temperature=0, max_tokens=24,
-                                                    ignore_eos=True), use_tqdm=False)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in dense]
     stats = llm.stats()
-    assert all(len(o.token_ids) == 24 for o in got)
     assert stats["drafts"] > 0 and stats["drafts_right"] > 0
     assert stats["sparse_predicted"] > 0
     assert (stats["spec_accepted"] > 0) == bool(mode)

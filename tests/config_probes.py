@@ -1,0 +1,162 @@
+"""Engines run step by step for test_config_fields.py, with what each step left behind
+(working sets, drafts, the step log), and hand-computed references to hold them against."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from oasiskv import LLM, SamplingParams
+from oasiskv.outputs import RequestOutput
+
+B = 16  # tokens per block (the default block_size)
+BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 4 * B  # K+V, 2 layers, 2 KV heads, head_dim 16, fp32
+_g = torch.Generator().manual_seed(0)
+PROMPTS = [torch.randint(3, 300, (n,), generator=_g).tolist() for n in (100, 130)]
+LONG = torch.randint(3, 300, (250,), generator=_g).tolist()  # 15 blocks
+GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+SPARSE = dict(kv_mode="sparse", top_k=3, f_hbm=1.0)  # uncapped: each set is the step's pick
+
+
+
+@dataclass
+class Snap:
+    """A running request after a step."""
+
+    computed: int  # tokens whose K/V the engine holds
+    tokens: list[int]
+    drafts: list[int]
+    head_map: torch.Tensor | None  # sparse: [L, K, Hkv] logical block per slot and KV head
+
+    def held(self) -> list[list[set[int]]]:
+        """Blocks resident per layer and KV head."""
+        hm = self.head_map
+        return [[{b for b in hm[layer, :, h].tolist() if b >= 0} for h in range(hm.shape[2])]
+                for layer in range(hm.shape[0])]
+
+
+@dataclass
+class Run:
+    outputs: list[RequestOutput]  # in prompt order
+    stats: dict
+    steps: list[dict[str, Snap]]  # after each step, the running requests by id
+    log: list[dict] = field(default_factory=list)  # the engine's step log
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [o.token_ids for o in self.outputs]
+
+    def sets(self) -> list[dict[str, list[list[set[int]]]]]:
+        return [{r: s.held() for r, s in step.items() if s.head_map is not None}
+                for step in self.steps]
+
+    def snaps(self) -> list[Snap]:
+        return [s for step in self.steps for s in step.values() if s.head_map is not None]
+
+
+_RUNS: dict[str, Run] = {}
+
+
+def run(path: str, prompts: list[list[int]] = PROMPTS, params: SamplingParams = GREEDY,
+        setup: Callable[[LLM], None] | None = None, **kwargs) -> Run:
+    """Generates with `LLM(path, **kwargs)` step by step, recording each step. Runs without
+    `setup` are deterministic and cached (a baseline serves several rows)."""
+    key = repr((path, prompts, params, sorted(kwargs.items())))
+    if setup is None and key in _RUNS:
+        return _RUNS[key]
+    llm = LLM(path, **kwargs)
+    if setup is not None:
+        setup(llm)
+    engine = llm.engine
+    ids = [engine.add_request(p, params, request_id=str(i)) for i, p in enumerate(prompts)]
+    steps, outs = [], {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        if engine.sparse is not None:
+            engine.sparse.flush()  # async: the step's selections land
+        steps.append({r: Snap(s.num_computed_tokens, list(s.token_ids), list(s.draft_tokens),
+                              None if s.working_set is None else s.working_set.head_map.clone())
+                      for r, s in engine.requests.items() if not s.is_finished})
+    result = Run([outs[i] for i in ids], llm.stats(), steps, list(engine.step_log))
+    llm.close()
+    if setup is None:
+        _RUNS[key] = result
+    return result
+
+
+def resident_share(t: torch.Tensor) -> float:
+    """Share of the tensor's memory pages that are mapped in (Linux mincore)."""
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    pages = (ctypes.c_ubyte * (-(-length // page)))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), pages) == 0
+    return sum(p & 1 for p in pages) / len(pages)
+
+
+def most_admitted(r: Run) -> int:
+    """Most blocks a KV head admitted in one step (the step's completed block aside), once
+    capped: every step after a request's first has > top_k blocks to choose from here."""
+    most = 0
+    for before, after in zip(r.steps, r.steps[1:], strict=False):
+        for rid, s in after.items():
+            prev = before.get(rid)
+            if prev is None or prev.head_map is None:
+                continue
+            filled = s.computed // B - 1
+            for old, new in zip(prev.held(), s.held(), strict=True):
+                most = max([most] + [len(n - o - {filled}) for o, n in zip(old, new, strict=True)])
+    return most
+
+
+def selections_like(path: str, alpha: float, **kw) -> list[bool]:
+    """Decodes with predictor=exact; for each (step, layer, request) with a choice to make,
+    whether every KV head's working set is the top-K by the hand-computed score
+    sum_h q_h.c + alpha*|q_h|.r over exact (fp32) min/max summaries."""
+    K, seen = SPARSE["top_k"], []
+
+    def spy_on(llm: LLM) -> None:
+        sparse = llm.engine.sparse
+        prepare = sparse.prepare_layer
+
+        def spy(layer: int, q: torch.Tensor) -> None:
+            prepare(layer, q)  # selects for this step, on the critical path
+            for d in sparse._decodes:
+                n = d.pos // B
+                if n <= K:
+                    continue
+                slots = (torch.tensor(d.seq.host_table[:n])[:, None] * B + torch.arange(B))
+                keys = sparse.host_kv[layer, 0][:, slots]  # [Hkv, n, B, d]
+                lo, hi = keys.amin(2), keys.amax(2)
+                qg = q[d.attn.q_start].view(keys.shape[0], -1, keys.shape[-1])  # [Hkv, G, d]
+                score = ((qg.sum(1)[:, None] * (hi + lo) / 2).sum(-1)
+                         + alpha * (qg.abs().sum(1)[:, None] * (hi - lo) / 2).sum(-1))
+                want = score.topk(K).indices  # [Hkv, K]
+                held = d.seq.working_set.head_map[layer]  # [K, Hkv]
+                seen.append(all(set(held[:, g].tolist()) == set(want[g].tolist())
+                                for g in range(len(want))))
+
+        sparse.prepare_layer = spy
+
+    r = run(path, setup=spy_on, **SPARSE, predictor="exact", summary_dtype="float32", **kw)
+    assert [o.finish_reason for o in r.outputs] == ["length", "length"]
+    assert len(seen) > 20
+    return seen
+
+
+def drafts_by_step(r: Run) -> list[list[int]]:
+    return [s.drafts for step in r.steps for s in step.values()]
+
+
+def prompt_lookup(tokens: list[int]) -> int | None:
+    for n in (3, 2, 1):
+        tail = tokens[-n:]
+        for end in range(len(tokens) - 2, n - 2, -1):  # latest first
+            if tokens[end - n + 1:end + 1] == tail:
+                return tokens[end + 1]
+    return None
