@@ -3,6 +3,7 @@ real Mooncake master for the remote-tier tests."""
 
 from __future__ import annotations
 
+import resource
 import warnings
 from pathlib import Path
 
@@ -165,3 +166,12 @@ def master(mooncake_net):
     """A real mooncake_master on loopback (short TTLs, so dead holders expire fast)."""
     with start_master(client_ttl_s=2, lease_ttl_ms=500) as handle:
         yield handle
+
+
+@pytest.fixture
+def no_core_dumps():
+    """Children a test kills with SIGSEGV leave no core file behind."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))

@@ -4,21 +4,11 @@ library's segfault) raises ChildCrashed naming the signal while this process goe
 
 import collections
 import os
-import resource
 import signal
 
 import pytest
 
 from oasiskv.bench.isolated import ChildCrashed, Isolated, crash_message
-
-
-@pytest.fixture
-def no_core_dumps():
-    """The children this test kills with SIGSEGV leave no core file behind."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
 
 
 def test_calls_run_in_the_child_and_errors_come_back():

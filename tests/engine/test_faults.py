@@ -56,6 +56,18 @@ def drive(engine) -> dict:  # noqa: ANN001 - an LLMEngine
     return done
 
 
+def fail_reads(store, suffix: str, message: str) -> None:  # noqa: ANN001 - a RemoteStore
+    """The store's reads of any namespace ending in `suffix` fail with `message`."""
+    real_get = store.get_blocks
+
+    def get_blocks(keys, out=None):
+        if any(k.namespace.endswith(suffix) for k in keys):
+            raise RemoteStoreError(message, list(keys))
+        return real_get(keys, out)
+
+    store.get_blocks = get_blocks
+
+
 def assert_failed(out, *words: str) -> None:  # noqa: ANN001
     assert out.finished and out.finish_reason == "error", (out.finish_reason, out.error)
     assert out.error and all(w in out.error for w in words), out.error
@@ -74,19 +86,13 @@ def test_a_failed_hand_over_comes_out_when_the_same_steps_forward_fails(model, d
     want = clean(dense, prompts)
     pd = DisaggregatedLLM(model, **EXACT)
     store = pd.decode.sparse.remote.store
-    real_get = store.get_blocks
-
-    def get_blocks(keys, out=None):
-        if any(k.namespace.endswith("-0") for k in keys):
-            raise RemoteStoreError("injected: hand-over blocks lost", list(keys))
-        return real_get(keys, out)
 
     def forward_fault(batch):
         ids = [s.request_id for s, _ in batch]
         if any(i.endswith("-1") for i in ids) and len(ids) == neighbours:  # first try only
             raise RuntimeError("injected forward fault")
 
-    store.get_blocks = get_blocks
+    fail_reads(store, "-0", "injected: hand-over blocks lost")
     pd.decode.step_hooks.append(forward_fault)
     outs = pd.generate(prompts, GREEDY, use_tqdm=False, on_step=lambda e: pd.check_invariants())
     assert_failed(outs[0], "reading the hand-over", "injected: hand-over blocks lost")
@@ -197,14 +203,7 @@ def test_a_failed_slab_read_leaves_nothing_in_the_store(model, dense):
     want = clean(dense, prompts)
     pd = DisaggregatedLLM(model, transfer="slab", **EXACT)
     store = pd.decode.sparse.remote.store
-    real_get = store.get_blocks
-
-    def get_blocks(keys, out=None):
-        if any(k.namespace.endswith("-0.slab") for k in keys):
-            raise RemoteStoreError("injected: slab lost", list(keys))
-        return real_get(keys, out)
-
-    store.get_blocks = get_blocks
+    fail_reads(store, "-0.slab", "injected: slab lost")
     outs = pd.generate(prompts, GREEDY, use_tqdm=False, on_step=lambda e: pd.check_invariants())
     assert_failed(outs[0], "reading the hand-over", "injected: slab lost")
     assert outs[1].token_ids == want[1]
