@@ -100,6 +100,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 
 KV_MODES = ("dense", "sparse")
 PREDICTORS = ("lookahead", "previous", "exact", "oracle")
+SCORE_AGGREGATIONS = ("sum", "softmax-sum", "softmax-max")
 CRITICAL_PATH = ("exact", "oracle")  # predictors that select for the step itself
 PREFETCH = ("async", "sync")
 DRAFTERS = ("self", "ngram", "resync", "model")
@@ -141,6 +142,11 @@ class CacheConfig:
         "Quest/FreeKV keep recent tokens); part of top_k")
     score_alpha: float = _field(
         1.0, "sparse: block score q.c + alpha*|q|.r over the min/max key summary (1 = Quest)")
+    score_aggregation: str = _field(
+        "sum", "sparse: how a KV head's query heads combine into one block score. sum: their "
+        "summed bounds (one head with large norms decides for the group); softmax-sum / "
+        "softmax-max: each query head's bounds (Quest's, score_alpha) normalised by a softmax "
+        "over the request's blocks at the attention scale, then summed / the largest taken")
     rerank: float = _field(
         0.0, "sparse: 0 (off) or c >= 1: the best c*top_k blocks by summary score are re-ranked "
         "by the predicting query's true attention over their keys in the host tier (reads "
@@ -223,6 +229,12 @@ class CacheConfig:
                              f"{sorted(set(_DTYPES))}")
         if self.score_alpha < 0:
             raise ValueError(f"score_alpha must be >= 0, got {self.score_alpha}")
+        if self.score_aggregation not in SCORE_AGGREGATIONS:
+            raise ValueError(f"score_aggregation must be one of {SCORE_AGGREGATIONS}, "
+                             f"got {self.score_aggregation!r}")
+        if self.score_aggregation != "sum" and self.predictor == "oracle":
+            raise ValueError("score_aggregation combines summary scores; predictor=oracle has "
+                             "none (it ranks every block by attention already)")
         if self.rerank != 0 and not self.rerank >= 1:
             raise ValueError(f"rerank must be 0 (off) or >= 1 (candidates per top_k block), "
                              f"got {self.rerank}")

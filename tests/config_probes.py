@@ -114,10 +114,14 @@ def most_admitted(r: Run) -> int:
     return most
 
 
-def selections_like(path: str, alpha: float, **kw) -> list[bool]:
+def selections_like(path: str, alpha: float, aggregation: str = "sum",
+                    prompts: list[list[int]] = PROMPTS, **kw) -> list[bool]:
     """Decodes with predictor=exact; for each (step, layer, request) with a choice to make,
     whether every KV head's working set is the top-K by the hand-computed score
-    sum_h q_h.c + alpha*|q_h|.r over exact (fp32) min/max summaries."""
+    sum_h q_h.c + alpha*|q_h|.r over exact (fp32) min/max summaries; with `aggregation`
+    softmax-sum / softmax-max, each query head's q_h.c + alpha*|q_h|.r softmaxed over the
+    request's blocks at the layer's attention scale, then summed / the largest. Two prompts
+    score as one batch (their summaries side by side), one alone."""
     K, seen = SPARSE["top_k"], []
 
     def spy_on(llm: LLM) -> None:
@@ -134,8 +138,13 @@ def selections_like(path: str, alpha: float, **kw) -> list[bool]:
                 keys = sparse.host_kv[layer, 0][:, slots]  # [Hkv, n, B, d]
                 lo, hi = keys.amin(2), keys.amax(2)
                 qg = q[d.attn.q_start].view(keys.shape[0], -1, keys.shape[-1])  # [Hkv, G, d]
-                score = ((qg.sum(1)[:, None] * (hi + lo) / 2).sum(-1)
-                         + alpha * (qg.abs().sum(1)[:, None] * (hi - lo) / 2).sum(-1))
+                per_head = ((qg[:, :, None] * ((hi + lo) / 2)[:, None]).sum(-1) + alpha *
+                            (qg.abs()[:, :, None] * ((hi - lo) / 2)[:, None]).sum(-1))
+                if aggregation == "sum":  # [Hkv, G, n] -> [Hkv, n]
+                    score = per_head.sum(1)
+                else:
+                    probs = torch.softmax(per_head.double() * sparse.scales[layer], dim=-1)
+                    score = probs.sum(1) if aggregation == "softmax-sum" else probs.amax(1)
                 want = score.topk(K).indices  # [Hkv, K]
                 held = d.seq.working_set.head_map[layer]  # [K, Hkv]
                 seen.append(all(set(held[:, g].tolist()) == set(want[g].tolist())
@@ -143,8 +152,11 @@ def selections_like(path: str, alpha: float, **kw) -> list[bool]:
 
         sparse.prepare_layer = spy
 
-    r = run(path, setup=spy_on, **SPARSE, predictor="exact", summary_dtype="float32", **kw)
-    assert [o.finish_reason for o in r.outputs] == ["length", "length"]
+    if aggregation != "sum":
+        kw.setdefault("score_aggregation", aggregation)
+    r = run(path, prompts, setup=spy_on, **SPARSE, predictor="exact", summary_dtype="float32",
+            **kw)
+    assert [o.finish_reason for o in r.outputs] == ["length"] * len(prompts)
     assert len(seen) > 20
     return seen
 

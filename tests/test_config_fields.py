@@ -317,6 +317,16 @@ def _score_alpha(ctx: Ctx) -> None:
     assert not all(selections_like(ctx.path, 0.0))  # the default (1) ranks otherwise
 
 
+@row("score_aggregation")
+def _score_aggregation(ctx: Ctx) -> None:
+    """Working sets are the top-K by the per-head softmaxed bounds, summed or maxed over each
+    group, as computed by hand; the default (summed raw bounds) ranks otherwise."""
+    for aggregation in ("softmax-sum", "softmax-max"):
+        for prompts in (PROMPTS, [LONG]):  # a batch's summaries as one view; one request's
+            assert all(selections_like(ctx.path, 1.0, aggregation, prompts))
+        assert not all(selections_like(ctx.path, 1.0, aggregation, score_aggregation="sum"))
+
+
 @row("rerank")
 def _rerank(ctx: Ctx) -> None:
     """exact + rerank over every block (8 * top_k = 16 >= 10 blocks) ranks by attention mass

@@ -166,7 +166,8 @@ class LLMEngine:
                                    scales=[a.scale for a in self.model.attention_layers()])
             self.runner = ModelRunner(self.model, device_kv, block, host_kv, self.sparse)
             t0 = time.perf_counter()
-            warm_up_scores(self.sparse.kmin)
+            warm_up_scores(self.sparse.kmin, cache.score_aggregation,
+                           mc.num_heads // mc.num_kv_heads)
             log.info("compiled the block scoring in %.1f s", time.perf_counter() - t0)
         if cache.prefault_kv:
             t0 = time.perf_counter()
