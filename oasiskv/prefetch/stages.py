@@ -14,8 +14,6 @@ import torch
 from oasiskv.kv.select import (
     aggregated_scores,
     block_mass,
-    head_log_probs,
-    head_weights,
     rerank_by_mass,
     select_capped_lru_batch,
     summary_weights,
@@ -51,7 +49,7 @@ def warm_up_scores(kmin: torch.Tensor, aggregation: str = "sum", group: int = 1)
     it. kmin: a summary pool [L, summary ids, Hkv, d] (its kind of tensor). Tensor kinds, grad
     mode, aliasing and equal sizes are all guards of the compiled code, so the inputs are views
     of normal tensors taken in inference mode, as in a step, with sizes unlike each other.
-    With a score aggregation other than sum, its per-head scoring (`head_log_probs`) instead,
+    With a score aggregation other than sum, its per-head scoring (`aggregated_scores`) instead,
     for queries of `group` heads per KV head (a size of 1 is a guard too)."""
     L, _, hkv, d = kmin.shape
     pools = [torch.zeros(L, 61, hkv, d, dtype=kmin.dtype, device=kmin.device)
@@ -70,7 +68,7 @@ def warm_up_scores(kmin: torch.Tensor, aggregation: str = "sum", group: int = 1)
                     past, scale = past[0], scale[:, :1]
                 else:  # one request: scales [layers], past [n]
                     past = past[0]
-                head_log_probs(lo, hi, *head_weights(q, hkv), past, scale)
+                aggregated_scores(q, lo, hi, past, scale, aggregation)
 
 
 class SelectJob:
