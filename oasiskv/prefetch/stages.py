@@ -19,6 +19,7 @@ from oasiskv.kv.select import (
     summary_weights,
     weighted_scores,
 )
+from oasiskv.kv.summaries import dequantize_keys
 
 if TYPE_CHECKING:
     from oasiskv.kv.residency import SparseKV, StepDecode
@@ -171,8 +172,8 @@ class SelectJob:
 
     def _rerank(self, scores: torch.Tensor) -> torch.Tensor:
         """The best rerank*K blocks by summary score, re-scored by the predicting query's
-        attention over their keys in the host tier (one node: a summary id is a host block),
-        layer by layer: [layers, R, Hkv, n]."""
+        attention over their keys in the host tier (one node: a summary id is a host block)
+        or the device's int8 copy, layer by layer: [layers, R, Hkv, n]."""
         kv, B = self.kv, self.kv.cfg.block_size
         c = math.ceil(kv.cfg.rerank * kv.cfg.top_k)
         queries = torch.stack([q for _, q in self.picks], 1)  # [layers, R, H, d]
@@ -182,8 +183,15 @@ class SelectJob:
 
     def _candidate_keys(self, layer: int, candidates: torch.Tensor) -> torch.Tensor:
         """Host keys of candidate blocks [R, Hkv, c] -> [R, Hkv, c*B, d]: whole blocks as
-        rows, one head at a time (3x faster than a gather of tokens)."""
+        rows, one head at a time (3x faster than a gather of tokens). rerank_source=int8:
+        the device's int8 copy of them, dequantized."""
         B = self.kv.cfg.block_size
+        if self.kv.key_codes is not None:
+            R, hkv, c = candidates.shape
+            ids = self.ids.gather(1, candidates.flatten(1)).view(R, hkv, c)  # summary ids
+            heads = torch.arange(hkv)[None, :, None]
+            codes = self.kv.key_codes[layer][ids, heads]  # [R, Hkv, c, B, d]
+            return dequantize_keys(codes, self.kv.key_scales[layer][ids, heads]).flatten(2, 3)
         blocks = self.kv.host_kv[layer, 0].unflatten(1, (-1, B)).flatten(2)  # [Hkv, n, B*d]
         R, hkv, c = candidates.shape
         return torch.stack([blocks[h].index_select(0, self.ids.gather(1, candidates[:, h])

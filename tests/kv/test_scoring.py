@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from oasiskv import LLM, SamplingParams
-from oasiskv.kv.select import aggregated_scores, block_scores
+from oasiskv.kv.select import aggregated_scores, block_scores, rerank_by_mass
+from oasiskv.kv.summaries import dequantize_keys, quantize_keys
 
 # ---------------------------------------------------------------- GQA-aware aggregation
 
@@ -75,6 +76,72 @@ def test_one_loud_query_head_no_longer_outvotes_its_group():
     assert got["softmax-sum"].argmax() == 1 and got["softmax-max"].argmax() == 0
 
 
+# ---------------------------------------------------------------- the int8 key copy
+
+
+def test_int8_keys_and_their_scores_are_within_the_quantization_bound():
+    """Every key within half a step (scale / 2) of its code times the scale, the scale its
+    block and head's largest |key| / 127; so each score q . k within scale / 2 * |q|_1."""
+    torch.manual_seed(4)
+    L, hkv, n, B, d = 2, 3, 5, 16, 8
+    keys = torch.randn(L, hkv, n, B, d) * torch.rand(L, hkv, n, 1, 1) * 10
+    keys[0, 1, 2] = 0  # an all-zero block: scale 0, codes 0, exact
+    codes, scales = quantize_keys(keys)
+    assert codes.dtype == torch.int8 and codes.shape == (L, n, hkv, B, d)
+    assert scales.shape == (L, n, hkv)
+    torch.testing.assert_close(scales, keys.abs().amax((-2, -1)).transpose(1, 2) / 127)
+    back = dequantize_keys(codes, scales).transpose(1, 2)  # [L, Hkv, n, B, d]
+    step = scales.transpose(1, 2)[..., None, None]
+    assert ((back - keys).abs() <= step / 2 * (1 + 1e-5)).all()
+    assert (back[0, 1, 2] == 0).all()
+    q = torch.randn(d) * 3
+    err = (back @ q - keys @ q).abs()  # [L, Hkv, n, B]
+    assert (err <= step[..., 0] / 2 * q.abs().sum() * (1 + 1e-5) + 1e-6).all()
+
+
+def test_an_exact_int8_copy_reranks_as_the_float_keys_do():
+    """Keys that int8 holds exactly (integers of at most 127 in magnitude, 127 in every
+    block and head, times a power of two): the second stage's masses from the copy equal the
+    float keys' and pick the same blocks."""
+    torch.manual_seed(5)
+    R, hkv, group, n, B, d, c = 2, 2, 3, 12, 16, 8, 6
+    ints = torch.randint(-127, 128, (hkv, n, B, d)).float()
+    ints[:, :, 0, 0] = 127  # each block and head reaches 127: its scale is 2**-3 exactly
+    keys = ints / 8  # [Hkv, n, B, d], one history shared by the R requests
+    codes, scales = quantize_keys(keys)  # [n, Hkv, B, d], [n, Hkv]
+    assert (scales == 1 / 8).all()
+    q = torch.randn(R, hkv * group, d)
+    scores = torch.randn(R, hkv, n)  # the first stage's scores: any
+    scores[1, :, 9:] = float("-inf")  # request 1 has 9 blocks
+
+    def host(cand):  # [R, Hkv, c] -> [R, Hkv, c*B, d]
+        return keys[torch.arange(hkv)[None, :, None], cand].flatten(2, 3)
+
+    def int8(cand):
+        heads = torch.arange(hkv)[None, :, None]
+        return dequantize_keys(codes[cand, heads], scales[cand, heads]).flatten(2, 3)
+
+    want = rerank_by_mass(scores, q, host, d ** -0.5, B, c)
+    got = rerank_by_mass(scores, q, int8, d ** -0.5, B, c)
+    assert torch.equal(got, want)
+    assert torch.equal(got.topk(4).indices, want.topk(4).indices)
+
+
+def test_the_key_copy_is_charged_to_the_device_budget(tiny_llama):
+    """Its bytes sit beside each summary: fewer summaries and KV blocks for the same budget,
+    every allocated byte within it."""
+    kw = dict(kv_mode="sparse", top_k=2, device_kv_budget=256 * 1024, host_kv_budget=2**20)
+    plain = LLM(str(tiny_llama), **kw).stats()
+    copy = LLM(str(tiny_llama), **kw, rerank=2, rerank_source="int8").stats()
+    per_block = 2 * 2 * (16 * 16 + 4)  # layers x KV heads x (codes + a float32 scale)
+    assert copy["key_copy_bytes_per_block"] == per_block
+    assert copy["summary_bytes_per_block"] == plain["summary_bytes_per_block"] + per_block
+    assert copy["key_copy_bytes"] == copy["summary_ids_total"] * per_block
+    assert copy["device_bytes_allocated"] <= copy["device_kv_budget"]
+    assert copy["summary_ids_total"] < plain["summary_ids_total"]
+    assert copy["kv_blocks_total"] <= plain["kv_blocks_total"]
+
+
 # ---------------------------------------------------------------- engine: equal to dense
 
 
@@ -85,6 +152,7 @@ def generate(llm, prompts, params):
 @pytest.mark.parametrize("options", [
     {"score_aggregation": "softmax-sum"},
     {"score_aggregation": "softmax-max", "prefetch": "async"},
+    {"rerank": 2, "rerank_source": "int8"},
 ])
 def test_options_with_k_covering_every_block_equal_dense(tiny_llama, options):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
