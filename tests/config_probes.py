@@ -182,7 +182,7 @@ def int8_keys(keys: torch.Tensor) -> torch.Tensor:
 
 
 def reranks_like(path: str, quantized: bool, **kw) -> list[bool]:
-    """Decodes with predictor=exact and rerank over every block (8 * top_k = 24 >= 15 blocks);
+    """Decodes with predictor=exact and rerank over every block (8 * top_k = 24 >= LONG's 17);
     for each (step, layer, request) with a choice to make, whether every KV head's working set
     is the top-K by the step query's attention mass per block (over complete blocks, summed
     over the head's query heads), from exact keys or from `int8_keys` of them."""
