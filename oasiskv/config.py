@@ -100,6 +100,8 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 
 KV_MODES = ("dense", "sparse")
 PREDICTORS = ("lookahead", "previous", "exact", "oracle")
+RERANK_SOURCES = ("host", "int8")
+SCORE_AGGREGATIONS = ("sum", "softmax-sum", "softmax-max")
 CRITICAL_PATH = ("exact", "oracle")  # predictors that select for the step itself
 PREFETCH = ("async", "sync")
 DRAFTERS = ("self", "ngram", "resync", "model")
@@ -141,11 +143,21 @@ class CacheConfig:
         "Quest/FreeKV keep recent tokens); part of top_k")
     score_alpha: float = _field(
         1.0, "sparse: block score q.c + alpha*|q|.r over the min/max key summary (1 = Quest)")
+    score_aggregation: str = _field(
+        "sum", "sparse: how a KV head's query heads combine into one block score. sum: their "
+        "summed bounds (one head with large norms decides for the group); softmax-sum / "
+        "softmax-max: each query head's bounds (Quest's, score_alpha) normalised by a softmax "
+        "over the request's blocks at the attention scale, then summed / the largest taken")
     rerank: float = _field(
         0.0, "sparse: 0 (off) or c >= 1: the best c*top_k blocks by summary score are re-ranked "
         "by the predicting query's true attention over their keys in the host tier (reads "
         "c*top_k*block_size keys per KV head, layer and step; off the critical path with "
         "lookahead or previous; one node only)")
+    rerank_source: str = _field(
+        "host", "sparse, with rerank: where the re-ranking reads its candidates' keys. host: "
+        "the host tier (exact); int8: a device copy of every complete block's post-RoPE keys, "
+        "int8 with one scale per block and KV head, written with its summary (charged to "
+        "device_kv_budget beside the summaries: B*d+4 bytes per block, layer and KV head)")
     prefetch: str = _field(
         "sync", "sparse: async runs each layer's next-step selection and fetch in the "
         "background (worker threads; sparse runs on the CPU only); sync runs them inline "
@@ -223,9 +235,21 @@ class CacheConfig:
                              f"{sorted(set(_DTYPES))}")
         if self.score_alpha < 0:
             raise ValueError(f"score_alpha must be >= 0, got {self.score_alpha}")
+        if self.score_aggregation not in SCORE_AGGREGATIONS:
+            raise ValueError(f"score_aggregation must be one of {SCORE_AGGREGATIONS}, "
+                             f"got {self.score_aggregation!r}")
+        if self.score_aggregation != "sum" and self.predictor == "oracle":
+            raise ValueError("score_aggregation combines summary scores; predictor=oracle has "
+                             "none (it ranks every block by attention already)")
         if self.rerank != 0 and not self.rerank >= 1:
             raise ValueError(f"rerank must be 0 (off) or >= 1 (candidates per top_k block), "
                              f"got {self.rerank}")
+        if self.rerank_source not in RERANK_SOURCES:
+            raise ValueError(f"rerank_source must be one of {RERANK_SOURCES}, "
+                             f"got {self.rerank_source!r}")
+        if self.rerank_source != "host" and not self.rerank:
+            raise ValueError(f"rerank_source={self.rerank_source!r} is where rerank reads its "
+                             "keys: set rerank (c >= 1) too")
         if self.rerank and self.predictor == "oracle":
             raise ValueError("rerank re-ranks summary scores; predictor=oracle has none (it "
                              "ranks every block by attention already)")
@@ -265,6 +289,11 @@ class CacheConfig:
         """sparse: device blocks of a request's slab: its K working-set slots, the active
         block, and a draft block where each step's drafts' K/V sit for attention to read."""
         return self.top_k + 2
+
+    @property
+    def key_copy(self) -> bool:
+        """sparse: whether the device holds the int8 key copy (rerank_source=int8)."""
+        return self.rerank_source == "int8"
 
     @property
     def fetch_cap(self) -> int:

@@ -114,10 +114,14 @@ def most_admitted(r: Run) -> int:
     return most
 
 
-def selections_like(path: str, alpha: float, **kw) -> list[bool]:
+def selections_like(path: str, alpha: float, aggregation: str = "sum",
+                    prompts: list[list[int]] = PROMPTS, **kw) -> list[bool]:
     """Decodes with predictor=exact; for each (step, layer, request) with a choice to make,
     whether every KV head's working set is the top-K by the hand-computed score
-    sum_h q_h.c + alpha*|q_h|.r over exact (fp32) min/max summaries."""
+    sum_h q_h.c + alpha*|q_h|.r over exact (fp32) min/max summaries; with `aggregation`
+    softmax-sum / softmax-max, each query head's q_h.c + alpha*|q_h|.r softmaxed over the
+    request's blocks at the layer's attention scale, then summed / the largest. Two prompts
+    score as one batch (their summaries side by side), one alone."""
     K, seen = SPARSE["top_k"], []
 
     def spy_on(llm: LLM) -> None:
@@ -134,8 +138,13 @@ def selections_like(path: str, alpha: float, **kw) -> list[bool]:
                 keys = sparse.host_kv[layer, 0][:, slots]  # [Hkv, n, B, d]
                 lo, hi = keys.amin(2), keys.amax(2)
                 qg = q[d.attn.q_start].view(keys.shape[0], -1, keys.shape[-1])  # [Hkv, G, d]
-                score = ((qg.sum(1)[:, None] * (hi + lo) / 2).sum(-1)
-                         + alpha * (qg.abs().sum(1)[:, None] * (hi - lo) / 2).sum(-1))
+                per_head = ((qg[:, :, None] * ((hi + lo) / 2)[:, None]).sum(-1) + alpha *
+                            (qg.abs()[:, :, None] * ((hi - lo) / 2)[:, None]).sum(-1))
+                if aggregation == "sum":  # [Hkv, G, n] -> [Hkv, n]
+                    score = per_head.sum(1)
+                else:
+                    probs = torch.softmax(per_head.double() * sparse.scales[layer], dim=-1)
+                    score = probs.sum(1) if aggregation == "softmax-sum" else probs.amax(1)
                 want = score.topk(K).indices  # [Hkv, K]
                 held = d.seq.working_set.head_map[layer]  # [K, Hkv]
                 seen.append(all(set(held[:, g].tolist()) == set(want[g].tolist())
@@ -143,8 +152,11 @@ def selections_like(path: str, alpha: float, **kw) -> list[bool]:
 
         sparse.prepare_layer = spy
 
-    r = run(path, setup=spy_on, **SPARSE, predictor="exact", summary_dtype="float32", **kw)
-    assert [o.finish_reason for o in r.outputs] == ["length", "length"]
+    if aggregation != "sum":
+        kw.setdefault("score_aggregation", aggregation)
+    r = run(path, prompts, setup=spy_on, **SPARSE, predictor="exact", summary_dtype="float32",
+            **kw)
+    assert [o.finish_reason for o in r.outputs] == ["length"] * len(prompts)
     assert len(seen) > 20
     return seen
 
@@ -160,3 +172,48 @@ def prompt_lookup(tokens: list[int]) -> int | None:
             if tokens[end - n + 1:end + 1] == tail:
                 return tokens[end + 1]
     return None
+
+
+def int8_keys(keys: torch.Tensor) -> torch.Tensor:
+    """keys [..., B, d] as the int8 copy gives them back, written out by hand: per block and
+    head, codes round(k / s) with s = max |k| / 127, times s."""
+    s = keys.abs().amax(dim=(-2, -1), keepdim=True) / 127
+    return torch.round(keys / s) * s
+
+
+def reranks_like(path: str, quantized: bool, **kw) -> list[bool]:
+    """Decodes with predictor=exact and rerank over every block (8 * top_k = 24 >= LONG's 17);
+    for each (step, layer, request) with a choice to make, whether every KV head's working set
+    is the top-K by the step query's attention mass per block (over complete blocks, summed
+    over the head's query heads), from exact keys or from `int8_keys` of them."""
+    K, seen = SPARSE["top_k"], []
+
+    def spy_on(llm: LLM) -> None:
+        sparse = llm.engine.sparse
+        prepare = sparse.prepare_layer
+
+        def spy(layer: int, q: torch.Tensor) -> None:
+            prepare(layer, q)  # selects for this step, on the critical path
+            for d in sparse._decodes:
+                n = d.pos // B
+                if n <= K:
+                    continue
+                slots = (torch.tensor(d.seq.host_table[:n])[:, None] * B + torch.arange(B))
+                keys = sparse.host_kv[layer, 0][:, slots]  # [Hkv, n, B, d]
+                if quantized:
+                    keys = int8_keys(keys)
+                hkv, dim = keys.shape[0], keys.shape[-1]
+                qg = q[d.attn.q_start].view(hkv, -1, dim).double()  # [Hkv, G, d]
+                logits = torch.einsum("hgd,hnbd->hgnb", qg, keys.double()) * sparse.scales[layer]
+                probs = torch.softmax(logits.flatten(2), -1).view(logits.shape)
+                want = probs.sum((1, 3)).topk(K).indices  # [Hkv, K]
+                held = d.seq.working_set.head_map[layer]  # [K, Hkv]
+                seen.append(all(set(held[:, g].tolist()) == set(want[g].tolist())
+                                for g in range(hkv)))
+
+        sparse.prepare_layer = spy
+
+    r = run(path, [LONG], setup=spy_on, **SPARSE, predictor="exact", rerank=8, **kw)
+    assert r.outputs[0].finish_reason == "length"
+    assert len(seen) > 20
+    return seen

@@ -57,6 +57,8 @@ TYPED = [
     ("forced_drafts", "guessed", "guessed"),
     ("score_alpha", "0.5", 0.5),
     ("rerank", "1.5", 1.5),
+    ("rerank_source", "host", "host"),  # int8 needs rerank
+    ("score_aggregation", "softmax-max", "softmax-max"),
     ("summary_dtype", "float16", "float16"),
     ("prefault_kv", "true", True),
     ("sink_blocks", "2", 2),

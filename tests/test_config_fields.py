@@ -26,6 +26,7 @@ from config_probes import (
     drafts_by_step,
     most_admitted,
     prompt_lookup,
+    reranks_like,
     resident_share,
     run,
     selections_like,
@@ -317,6 +318,16 @@ def _score_alpha(ctx: Ctx) -> None:
     assert not all(selections_like(ctx.path, 0.0))  # the default (1) ranks otherwise
 
 
+@row("score_aggregation")
+def _score_aggregation(ctx: Ctx) -> None:
+    """Working sets are the top-K by the per-head softmaxed bounds, summed or maxed over each
+    group, as computed by hand; the default (summed raw bounds) ranks otherwise."""
+    for aggregation in ("softmax-sum", "softmax-max"):
+        for prompts in (PROMPTS, [LONG]):  # a batch's summaries as one view; one request's
+            assert all(selections_like(ctx.path, 1.0, aggregation, prompts))
+        assert not all(selections_like(ctx.path, 1.0, aggregation, score_aggregation="sum"))
+
+
 @row("rerank")
 def _rerank(ctx: Ctx) -> None:
     """exact + rerank over every block (8 * top_k = 16 >= 10 blocks) ranks by attention mass
@@ -325,6 +336,23 @@ def _rerank(ctx: Ctx) -> None:
     oracle = run(ctx.path, **kw, predictor="oracle").sets()
     assert run(ctx.path, **kw, predictor="exact", rerank=8).sets() == oracle
     assert run(ctx.path, **kw, predictor="exact").sets() != oracle
+
+
+@row("rerank_source")
+def _rerank_source(ctx: Ctx) -> None:
+    """int8: the rerank reads the device's int8 key copy, charged beside the summaries (per
+    block: 2 layers x 2 KV heads x (16 x 16 codes + a 4-byte scale)). Its working sets are the
+    top-K by attention mass over the int8 keys (`int8_keys`, by hand), not over the exact
+    ones; host (the default) the other way round."""
+    assert all(reranks_like(ctx.path, True, rerank_source="int8"))
+    assert not all(reranks_like(ctx.path, False, rerank_source="int8"))
+    assert all(reranks_like(ctx.path, False))
+    assert not all(reranks_like(ctx.path, True))
+    kw = dict(kv_mode="sparse", top_k=2, rerank=8)
+    stats = run(ctx.path, **kw, rerank_source="int8").stats
+    assert stats["key_copy_bytes_per_block"] == 2 * 2 * (16 * 16 + 4)
+    assert stats["summary_bytes_per_block"] == 2 * 2 * 2 * 16 * 2 + 2 * 2 * (16 * 16 + 4)
+    assert "key_copy_bytes_per_block" not in run(ctx.path, **kw).stats
 
 
 @row("summary_dtype")

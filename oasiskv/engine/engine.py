@@ -21,7 +21,13 @@ from oasiskv.engine.runner import ModelRunner, allocate_kv, is_decode
 from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import BlockPool, KVAllocator
-from oasiskv.kv.device_budget import device_memory, split_dense, split_sparse, summary_bytes
+from oasiskv.kv.device_budget import (
+    device_memory,
+    key_copy_bytes,
+    split_dense,
+    split_sparse,
+    summary_bytes,
+)
 from oasiskv.kv.remote_tier import RemoteTier, open_store
 from oasiskv.kv.residency import SparseKV
 from oasiskv.layers.linear import pack_linears
@@ -136,7 +142,8 @@ class LLMEngine:
             # remote store they outlive host blocks: enough for every request that host caches
             # at f_host could hold (a budget >= f_host * history).
             split = self.device_split = split_sparse(
-                cache.device_kv_budget, self.bytes_per_block, summary_bytes(mc, summary_dtype),
+                cache.device_kv_budget, self.bytes_per_block, summary_bytes(mc, summary_dtype)
+                + (key_copy_bytes(mc, block) if cache.key_copy else 0),
                 cache.slab_blocks, -(-self.max_model_len // block),
                 host_blocks if one_node else math.ceil(host_blocks / cache.f_host))
             if one_node and split.summary_ids < host_blocks:
@@ -164,14 +171,21 @@ class LLMEngine:
                                                device=self.device),
                                    PrefetchPipeline(executor), remote=remote,
                                    scales=[a.scale for a in self.model.attention_layers()])
+            if cache.key_copy:
+                self.sparse.key_codes = torch.empty(
+                    (*summary[:3], block, mc.head_dim), dtype=torch.int8, device=self.device)
+                self.sparse.key_scales = torch.empty(summary[:3], device=self.device)
             self.runner = ModelRunner(self.model, device_kv, block, host_kv, self.sparse)
             t0 = time.perf_counter()
-            warm_up_scores(self.sparse.kmin)
+            warm_up_scores(self.sparse.kmin, cache.score_aggregation,
+                           mc.num_heads // mc.num_kv_heads)
             log.info("compiled the block scoring in %.1f s", time.perf_counter() - t0)
         if cache.prefault_kv:
             t0 = time.perf_counter()
             pools = [device_kv] + ([] if self.sparse is None else
-                                   [self.sparse.host_kv, self.sparse.kmin, self.sparse.kmax])
+                                   [self.sparse.host_kv, self.sparse.kmin, self.sparse.kmax]
+                                   + ([] if self.sparse.key_codes is None else
+                                      [self.sparse.key_codes, self.sparse.key_scales]))
             for pool in pools:
                 pool.zero_()
             log.info("prefaulted %.2f GiB of KV pools in %.1f s",

@@ -1,9 +1,10 @@
 """How an engine spends `device_kv_budget`: every byte of it is one of the device's KV tensors.
 
 Dense: KV blocks only. Sparse: KV blocks for the requests' slabs (K+2 blocks each) and block
-summaries (kmin/kmax of one block in every layer) for their histories, two tensors whose sizes
-add up to at most the budget. The split follows one request of the engine's longest context:
-its slab and its summaries in proportion, so that such requests run out of both together;
+summaries (kmin/kmax of one block in every layer, and with rerank_source=int8 the block's int8
+key copy) for their histories, tensors whose sizes add up to at most the budget. The split
+follows one request of the engine's longest context: its slab and its summaries in proportion,
+so that such requests run out of both together;
 summary ids beyond what the host tier can ever use (`summary_cap`) go to the slabs instead.
 """
 
@@ -22,7 +23,7 @@ class DeviceSplit:
     summary_ids: int  # block summaries allocated (0 in dense mode)
     summary_room: int  # summary ids the budget has room for beside the slabs, before the cap
     block_bytes: int  # one KV block, every layer, K and V
-    summary_bytes: int  # one block's kmin and kmax, every layer
+    summary_bytes: int  # one block's kmin and kmax, every layer (and its int8 key copy)
 
     @property
     def allocated(self) -> int:
@@ -32,6 +33,12 @@ class DeviceSplit:
 def summary_bytes(mc: ModelConfig, dtype: torch.dtype) -> int:
     """Device bytes of one block's summary: kmin and kmax [L, Hkv, d] in `dtype`."""
     return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+
+
+def key_copy_bytes(mc: ModelConfig, block_size: int) -> int:
+    """Device bytes of one block's int8 key copy (rerank_source=int8): codes [L, Hkv, B, d]
+    and a float32 scale per layer and KV head. Charged with the block's summary."""
+    return mc.num_layers * mc.num_kv_heads * (block_size * mc.head_dim + 4)
 
 
 def split_dense(budget: int, block_bytes: int) -> DeviceSplit:
@@ -59,10 +66,13 @@ def split_sparse(budget: int, block_bytes: int, summary_size: int, slab_blocks: 
 
 
 def device_tensors(engine) -> list[torch.Tensor]:
-    """The device tensors the budget pays for: the KV block pool and, sparse, kmin and kmax."""
+    """The device tensors the budget pays for: the KV block pool and, sparse, kmin and kmax
+    (and the int8 key copy: codes and scales)."""
     tensors = [engine.runner.device_kv]
     if engine.sparse is not None:
         tensors += [engine.sparse.kmin, engine.sparse.kmax]
+        if engine.sparse.key_codes is not None:
+            tensors += [engine.sparse.key_codes, engine.sparse.key_scales]
     return tensors
 
 
@@ -83,4 +93,9 @@ def device_memory(engine) -> dict:
     if ids is not None:
         out.update(summary_ids_total=split.summary_ids, summary_ids_used=ids.num_used,
                    summary_ids_peak=ids.peak_used, summary_bytes_per_block=split.summary_bytes)
+        copy = [engine.sparse.key_codes, engine.sparse.key_scales]
+        if copy[0] is not None:  # part of summary_bytes_per_block
+            out.update(key_copy_bytes_per_block=sum(t[:, 0].numel() * t.element_size()
+                                                    for t in copy),
+                       key_copy_bytes=sum(t.numel() * t.element_size() for t in copy))
     return out

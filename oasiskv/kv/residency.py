@@ -39,7 +39,7 @@ from oasiskv.context import SeqAttention
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import is_contiguous
 from oasiskv.kv.select import insert_block, mixed_queries
-from oasiskv.kv.summaries import round_outward, summarize
+from oasiskv.kv.summaries import quantize_keys, round_outward, summarize
 from oasiskv.prefetch.executor import InlineExecutor, PrefetchError
 from oasiskv.prefetch.pipeline import PrefetchPipeline
 from oasiskv.prefetch.stages import SelectJob
@@ -108,6 +108,10 @@ class SparseKV:
     frozen: bool = False  # benchmarks: no prefetch at all once seeded (working sets frozen)
     remote: RemoteTier | None = None  # the remote store under bounded host caches, if any
     scales: list[float] = field(default_factory=list)  # per layer: attention scale (oracle, rerank)
+    # rerank_source=int8: every complete block's keys as int8 [L, summary_ids, Hkv, B, d]
+    # with a scale per block and KV head [L, summary_ids, Hkv], indexed like the summaries
+    key_codes: torch.Tensor | None = None
+    key_scales: torch.Tensor | None = None
     # stage name -> hook(layer, requests) run at the start of that stage (tests: delays, faults)
     stage_hooks: dict[str, Callable[[int, list[Sequence]], None]] = field(default_factory=dict)
     _decodes: list[StepDecode] = field(default_factory=list)
@@ -421,6 +425,9 @@ class SparseKV:
         # (a prompt's: 1.35x faster than layer by layer)
         kmin, kmax = round_outward(*summarize(keys), self.kmin.dtype)  # [layers, n, Hkv, d]
         self.kmin[layers, ids], self.kmax[layers, ids] = kmin, kmax
+        if self.key_codes is not None:  # the int8 copy, with the summary
+            codes, scales = quantize_keys(keys)  # [layers, n, Hkv, B, d], [layers, n, Hkv]
+            self.key_codes[layers, ids], self.key_scales[layers, ids] = codes, scales
 
     # ---- per layer: selection and the attention masks ------------------------------------
 

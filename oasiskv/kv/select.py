@@ -58,6 +58,58 @@ def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     return weighted_scores(kmin, kmax, *summary_weights(q, kmin.shape[-2], alpha))
 
 
+def head_weights(q: torch.Tensor, num_kv_heads: int,
+                 alpha: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """summary_weights per query head, not summed over the group: (w_max, w_min)
+    [..., Hkv, G, d] of q [..., H, d], so that query head h's score of a block is
+    kmax . w_max + kmin . w_min (alpha = 1: Quest's bound relu(q_h) . kmax + min(q_h, 0) . kmin)."""
+    qg = q.reshape(*q.shape[:-2], num_kv_heads, -1, q.shape[-1]).float()  # [..., Hkv, G, d]
+    magnitude = alpha * qg.abs()
+    return (qg + magnitude) / 2, (qg - magnitude) / 2
+
+
+@compiled
+def head_log_probs(kmin: torch.Tensor, kmax: torch.Tensor, w_max: torch.Tensor,
+                   w_min: torch.Tensor, past: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Each query head's scores, normalised over the request's blocks: log softmax over n of
+    scale * (kmax . w_max + kmin . w_min). kmin/kmax [..., n, Hkv, d], weights [..., Hkv, G, d]
+    (head_weights), past [..., n] True for a block that is not the request's (-inf: another
+    request's summaries in a batch view), scale [...] (the attention scale, per layer) ->
+    [..., Hkv, G, n]."""
+    # compiled as weighted_scores is: one pass over the summaries, G products per element;
+    # one reduction over d of both products (two: 1.3x slower at SmolLM2's shapes)
+    w_max, w_min = w_max[..., None, :, :, :], w_min[..., None, :, :, :]
+    scores = (kmax[..., None, :] * w_max + kmin[..., None, :] * w_min).sum(-1)  # [..., n, Hkv, G]
+    logits = scores.movedim(-3, -1) * scale[..., None, None, None]
+    return torch.log_softmax(logits.masked_fill(past[..., None, None, :], float("-inf")), dim=-1)
+
+
+@compiled
+def group_logsumexp(logp: torch.Tensor) -> torch.Tensor:
+    """[..., Hkv, G, n] -> [..., Hkv, n]: log of the sum of the group's probabilities
+    (compiled: eager, a third of softmax-sum's scoring time; fused into head_log_probs, slower
+    still)."""
+    return torch.logsumexp(logp, dim=-2)
+
+
+def aggregated_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                      past: torch.Tensor, scale: torch.Tensor, aggregation: str,
+                      alpha: float = 1.0) -> torch.Tensor:
+    """GQA-aware block scores: each query head h of a KV head's group scores the blocks by its
+    own bound, normalises them into a distribution over the request's blocks (softmax at the
+    attention scale, so that a head with large norms does not decide for the group), and the
+    group combines them: softmax-sum, the sum of the heads' probabilities; softmax-max, the
+    largest. Returned as logs (log of the sum, log of the max: the same ranking, and no ties
+    where a probability underflows to 0); -inf past a request's blocks. q [..., H, d],
+    kmin/kmax [..., n, Hkv, d], past [..., n], scale [...] -> [..., Hkv, n]."""
+    logp = head_log_probs(kmin, kmax, *head_weights(q, kmin.shape[-2], alpha), past, scale)
+    if aggregation == "softmax-sum":
+        return group_logsumexp(logp)
+    if aggregation == "softmax-max":
+        return logp.amax(dim=-2)
+    raise ValueError(f"unknown score aggregation {aggregation!r}")
+
+
 def block_mass(q: torch.Tensor, keys: torch.Tensor, scale: float,
                block_size: int) -> torch.Tensor:
     """Softmax attention of one token over complete blocks, summed per block (the oracle

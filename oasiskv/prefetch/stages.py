@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from oasiskv.kv.select import (
+    aggregated_scores,
     block_mass,
     rerank_by_mass,
     select_capped_lru_batch,
     summary_weights,
     weighted_scores,
 )
+from oasiskv.kv.summaries import dequantize_keys
 
 if TYPE_CHECKING:
     from oasiskv.kv.residency import SparseKV, StepDecode
@@ -41,13 +43,15 @@ def requests_view(pool: torch.Tensor, requests: int, n: int, stride: int,
                            pool.storage_offset() + first * inner)
 
 
-def warm_up_scores(kmin: torch.Tensor) -> None:
+def warm_up_scores(kmin: torch.Tensor, aggregation: str = "sum", group: int = 1) -> None:
     """Compiles the block scoring (`weighted_scores`) for the shapes selections pass: one layer
     (a request's first step, a per-layer job) or a run of layers (sync's step end), a batch's
     summaries as one strided view or one request's alone; so that no request's step waits for
     it. kmin: a summary pool [L, summary ids, Hkv, d] (its kind of tensor). Tensor kinds, grad
     mode, aliasing and equal sizes are all guards of the compiled code, so the inputs are views
-    of normal tensors taken in inference mode, as in a step, with sizes unlike each other."""
+    of normal tensors taken in inference mode, as in a step, with sizes unlike each other.
+    With a score aggregation other than sum, its per-head scoring (`aggregated_scores`) instead,
+    for queries of `group` heads per KV head (a size of 1 is a guard too)."""
     L, _, hkv, d = kmin.shape
     pools = [torch.zeros(L, 61, hkv, d, dtype=kmin.dtype, device=kmin.device)
              for _ in range(2)]  # 61 ids a layer: not a multiple of the requests' stride
@@ -55,8 +59,17 @@ def warm_up_scores(kmin: torch.Tensor) -> None:
         for layers in sorted({1, L}):
             batch = [requests_view(x[:layers], 5, 7, 11, 0) for x in pools]  # 5 x 7 ids, 11 apart
             for lo, hi in (batch, [x[:layers, :7] for x in pools]):
-                q = torch.zeros(*lo.shape[:-3], hkv, d, dtype=kmin.dtype, device=kmin.device)
-                weighted_scores(lo, hi, *summary_weights(q, hkv))
+                q = torch.zeros(*lo.shape[:-3], hkv * group, d, device=kmin.device)
+                if aggregation == "sum":
+                    weighted_scores(lo, hi, *summary_weights(q, hkv))
+                    continue
+                past = torch.zeros(lo.shape[:-2], dtype=torch.bool, device=kmin.device)
+                scale = torch.ones(lo.shape[:-3], device=kmin.device)
+                if lo.dim() == 5:  # the batch view: scales [layers, 1], past [R, n]
+                    past, scale = past[0], scale[:, :1]
+                else:  # one request: scales [layers], past [n]
+                    past = past[0]
+                aggregated_scores(q, lo, hi, past, scale, aggregation)
 
 
 class SelectJob:
@@ -119,12 +132,18 @@ class SelectJob:
         kmin, kmax = kv.kmin[self.run], kv.kmax[self.run]  # [layers, summary ids, Hkv, d]
         hkv, alpha = kmin.shape[2], kv.cfg.score_alpha
         stride = self._summary_stride(n, kmin.shape[1])
+        aggregation = kv.cfg.score_aggregation
+        scales = self._scales(kmin)  # [layers]
         if stride:  # equal strides: the batch's summaries are one view, scored in one call
             first = self.picks[0][0].summary_start
             lo, hi = (requests_view(x, R, n, stride, first) for x in (kmin, kmax))
-            weights = summary_weights(torch.stack([q for _, q in self.picks], 1), hkv, alpha)
-            scores = weighted_scores(lo, hi, *weights)  # weights [layers, R, Hkv, d]
+            queries = torch.stack([q for _, q in self.picks], 1)  # [layers, R, H, d]
             past = torch.arange(n)[None, :] >= self.lengths[:, None]  # another request's
+            if aggregation != "sum":  # per query head, normalised over each request's blocks
+                return aggregated_scores(queries, lo, hi, past, scales[:, None], aggregation,
+                                         alpha)
+            weights = summary_weights(queries, hkv, alpha)
+            scores = weighted_scores(lo, hi, *weights)  # weights [layers, R, Hkv, d]
             return scores.masked_fill_(past[:, None, :], float("-inf"))
         scores = torch.full((len(self.layers), R, hkv, n), float("-inf"))
         for r, (d, q) in enumerate(self.picks):
@@ -136,14 +155,25 @@ class SelectJob:
                 hi = kmax.index_select(1, d.summary_ids)
             # the request's own weights [layers, Hkv, d], strided as warm_up_scores compiled
             # for (a slice of the batch's would not be)
+            if aggregation != "sum":
+                past = torch.zeros(len(d.summary_ids), dtype=torch.bool)
+                scores[:, r, :, :len(d.summary_ids)] = aggregated_scores(
+                    q, lo, hi, past, scales, aggregation, alpha)
+                continue
             scores[:, r, :, :len(d.summary_ids)] = weighted_scores(
                 lo, hi, *summary_weights(q, hkv, alpha))
         return scores
 
+    def _scales(self, kmin: torch.Tensor) -> torch.Tensor:
+        """The attention scale of each of the job's layers, [layers] (1/sqrt(d) when the
+        engine gave none)."""
+        scales = self.kv.scales or [kmin.shape[-1] ** -0.5] * (self.run.stop)
+        return torch.tensor([scales[layer] for layer in self.layers], dtype=torch.float32)
+
     def _rerank(self, scores: torch.Tensor) -> torch.Tensor:
         """The best rerank*K blocks by summary score, re-scored by the predicting query's
-        attention over their keys in the host tier (one node: a summary id is a host block),
-        layer by layer: [layers, R, Hkv, n]."""
+        attention over their keys in the host tier (one node: a summary id is a host block)
+        or the device's int8 copy, layer by layer: [layers, R, Hkv, n]."""
         kv, B = self.kv, self.kv.cfg.block_size
         c = math.ceil(kv.cfg.rerank * kv.cfg.top_k)
         queries = torch.stack([q for _, q in self.picks], 1)  # [layers, R, H, d]
@@ -153,8 +183,19 @@ class SelectJob:
 
     def _candidate_keys(self, layer: int, candidates: torch.Tensor) -> torch.Tensor:
         """Host keys of candidate blocks [R, Hkv, c] -> [R, Hkv, c*B, d]: whole blocks as
-        rows, one head at a time (3x faster than a gather of tokens)."""
+        rows, one head at a time (3x faster than a gather of tokens). rerank_source=int8:
+        the device's int8 copy of them, dequantized."""
         B = self.kv.cfg.block_size
+        if self.kv.key_codes is not None:  # whole blocks as rows too, one head at a time
+            R, hkv, c = candidates.shape
+            codes = self.kv.key_codes[layer].flatten(2)  # [ids, Hkv, B*d]
+            scales = self.kv.key_scales[layer]  # [ids, Hkv]
+            out = []
+            for h in range(hkv):
+                ids = self.ids.gather(1, candidates[:, h]).flatten()  # [R*c] summary ids
+                out.append(dequantize_keys(codes[:, h].index_select(0, ids).view(R, c, B, -1),
+                                           scales[:, h].index_select(0, ids).view(R, c)))
+            return torch.stack(out, 1).flatten(2, 3)  # [R, Hkv, c*B, d]
         blocks = self.kv.host_kv[layer, 0].unflatten(1, (-1, B)).flatten(2)  # [Hkv, n, B*d]
         R, hkv, c = candidates.shape
         return torch.stack([blocks[h].index_select(0, self.ids.gather(1, candidates[:, h])

@@ -1,0 +1,102 @@
+"""Selection cost of the scoring options (issue 41) per decode step, side by side in one run,
+at SmolLM2-135M's shapes: 30 layers, 9 query heads over 3 KV heads, d=64, 448 complete blocks
+(7K tokens) per request, batch 6, bf16 summaries side by side (the batched path of
+`SelectJob._summary_scores`). Random data: this times the scoring, not its accuracy.
+
+  python scripts/bench_scoring.py [--repeats 30] [--threads 1]
+
+Prints each variant's median over interleaved repeats and its ratio to the first of its
+group: the summary scoring (sum, softmax-sum, softmax-max) and the rerank's second stage
+(rerank=2 at top_k=128: 256 candidate blocks per KV head, keys from the host tier or from the
+int8 copy). Absolute CPU times are noisy; compare ratios from one run."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+from oasiskv.kv.select import aggregated_scores, rerank_by_mass, summary_weights, weighted_scores
+from oasiskv.kv.summaries import quantize_keys
+from oasiskv.prefetch.stages import SelectJob, requests_view
+
+L, H, HKV, D, N, R, B, K = 30, 9, 3, 64, 448, 6, 16, 128
+
+
+def timed(fns: dict, repeats: int) -> dict[str, float]:
+    with torch.inference_mode():
+        for f in fns.values():  # compile, warm caches
+            for _ in range(3):
+                f()
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(repeats):
+            for k, f in fns.items():
+                t0 = time.perf_counter()
+                f()
+                times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(t) for k, t in times.items()}
+
+
+def report(title: str, medians: dict[str, float]) -> None:
+    base = next(iter(medians.values()))
+    print(title)
+    for k, m in medians.items():
+        print(f"  {k:14s} {m * 1e3:8.2f} ms/step  x{m / base:.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    stride = N + 5
+    kmin = torch.randn(L, R * stride, HKV, D).to(torch.bfloat16)
+    kmax = kmin + torch.rand_like(kmin)
+    q = torch.randn(L, R, H, D)
+    lengths = torch.full((R,), N)
+    past = torch.arange(N)[None] >= lengths[:, None]
+    scales = torch.full((L, 1), D ** -0.5)
+    lo, hi = (requests_view(x, R, N, stride, 0) for x in (kmin, kmax))
+
+    def summed() -> torch.Tensor:
+        s = weighted_scores(lo, hi, *summary_weights(q, HKV))
+        return s.masked_fill_(past[:, None], float("-inf"))
+
+    scoring = {"sum": summed}
+    for mode in ("softmax-sum", "softmax-max"):
+        scoring[mode] = lambda mode=mode: aggregated_scores(q, lo, hi, past, scales, mode)
+    report(f"summary scoring, {L} layers x {R} requests x {N} blocks:",
+           timed(scoring, args.repeats))
+
+    # the rerank's second stage, through SelectJob._candidate_keys as the engine runs it
+    # one layer's data seen by every layer (expanded views: 33 MB, not 2 GB)
+    host_kv = torch.randn(1, 1, HKV, R * stride * B, D)
+    codes, kscales = quantize_keys(host_kv[:, 0].unflatten(2, (-1, B)))  # [1, ids, Hkv, ...]
+    host_kv, codes, kscales = (x.expand(L, *x.shape[1:]) for x in (
+        host_kv.expand(-1, 2, -1, -1, -1), codes, kscales))
+    ids = torch.arange(R)[:, None] * stride + torch.arange(N)  # [R, N] summary ids
+    jobs = {}
+    for source, (c, s) in (("host", (None, None)), ("int8", (codes, kscales))):
+        job = SelectJob.__new__(SelectJob)
+        job.kv = SimpleNamespace(cfg=SimpleNamespace(block_size=B), host_kv=host_kv,
+                                 key_codes=c, key_scales=s)
+        job.ids = ids
+        jobs[source] = job
+    first = summed()  # [L, R, Hkv, N]
+
+    def rerank(job: SelectJob) -> None:
+        for layer in range(L):
+            rerank_by_mass(first[layer], q[layer], lambda cand, layer=layer:
+                           job._candidate_keys(layer, cand), D ** -0.5, B, 2 * K)
+
+    report(f"rerank=2 second stage ({2 * K} candidates per KV head), keys from:",
+           timed({k: lambda j=j: rerank(j) for k, j in jobs.items()}, max(3, args.repeats // 5)))
+
+
+if __name__ == "__main__":
+    main()
