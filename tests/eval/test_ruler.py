@@ -174,6 +174,7 @@ def test_eval_ruler_end_to_end_full_k_sparse_equals_dense(tok, tmp_path, capsys)
     assert data["complete"] and data["settings"] == ["dense", "sparse K=2 exact",
                                                      "sparse K=64 exact"]
     assert [c["task"] for c in data["per_sample"]] == ["niah_single_1", "niah_multikey_2", "fwe"]
+    differs = 0
     for cell in data["per_sample"]:
         res = cell["results"]
         assert len(res["dense"]) == 2
@@ -181,6 +182,9 @@ def test_eval_ruler_end_to_end_full_k_sparse_equals_dense(tok, tmp_path, capsys)
         assert [r["output"] for r in res["sparse K=64 exact"]] == \
             [r["output"] for r in res["dense"]]
         assert all(0 <= r["score"] <= 100 for r in res["dense"])
+        differs += [r["output"] for r in res["sparse K=2 exact"]] != \
+            [r["output"] for r in res["dense"]]
+    assert differs  # K=2 of ~50 blocks is live: it changes what the model says
     rows = {(r["task"], r["setting"]): r for r in data["rows"]}
     assert rows[("fwe", "sparse K=64 exact")]["delta"] == 0
     assert data["table"][-1]["task"].startswith("average (")
