@@ -207,7 +207,7 @@ def run_ruler_eval(args: argparse.Namespace) -> list[dict]:
           f"seed {seed}, {'chat' if not args.no_chat else 'base'} template\n")
     print(markdown_table(table, columns))
     for s in skipped:
-        print(f"\nnot run: {s['task']} at {s['context']}: {s['reason']}")
+        print(f"\nnot run at {s['context']}: {s['reason']}")
     print(f"\nscores x100 as RULER scores them (string_match_all; qa: string_match_part); "
           f"Δ = points vs dense on the same prompts, [95% CI] = paired bootstrap over the "
           f"prompts (an interval that holds 0 is no measured difference); a task counts where "

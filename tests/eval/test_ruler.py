@@ -169,7 +169,7 @@ def test_eval_ruler_end_to_end_full_k_sparse_equals_dense(tok, tmp_path, capsys)
                  "--tasks", "niah_single_1,niah_multikey_2,fwe,qa_1", "--samples", "2",
                  "--predictor", "exact", "--top-k", "2,64", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "sparse K=64 exact Δ dense" in text and "not run: qa_1 at 1024" in text
+    assert "sparse K=64 exact Δ dense" in text and "not run at 1024: qa_1: the smallest" in text
     data = json.loads(out.read_text())
     assert data["complete"] and data["settings"] == ["dense", "sparse K=2 exact",
                                                      "sparse K=64 exact"]
