@@ -49,9 +49,6 @@ __all__ = ["RulerSample", "RulerTokenizer", "TaskDoesNotFit", "build_task", "pac
 
 SEED = 42  # prepare.py: random_seed = 42 + chunk_idx
 PRE, POST = "\x02", "\x03"  # chat markers: no letters, no braces, no whitespace
-SCRIPTS = {"niah": "niah", "variable_tracking": "variable_tracking",
-           "common_words_extraction": "common_words_extraction",
-           "freq_words_extraction": "freq_words_extraction", "qa": "qa"}
 # the first length-search step of each generator (the script's own increments)
 FIRST_STEP = {"variable_tracking": 10, "common_words_extraction": 10, "qa": 10}
 
@@ -219,10 +216,13 @@ def _args_statements(path: Path) -> list[ast.stmt]:
 
 
 def _module(family: str, argv: list[str]) -> types.ModuleType:
-    path = package_dir() / "data" / "synthetic" / f"{SCRIPTS[family]}.py"
-    probe = argv  # module state that depends on more than `args` is keyed here
-    key = {"common_words_extraction": (_opt(probe, "--random_seed"),),  # shuffled words
-           "qa": (_opt(probe, "--dataset"),)}.get(family, ())
+    """The family's script loaded once (niah's word list takes ~10 s), its `args` parsed from
+    `argv` and its args-dependent top-level statements run again. Import-time state that
+    depends on the arguments in other ways keys the cache: cwe shuffles its words by the seed,
+    qa loads its data set."""
+    path = package_dir() / "data" / "synthetic" / f"{family}.py"
+    key = {"common_words_extraction": (_opt(argv, "--random_seed"),),
+           "qa": (_opt(argv, "--dataset"),)}.get(family, ())
     mod = _MODULES.get((family, *key))
     if mod is None:
         spec = importlib.util.spec_from_file_location(f"_oasiskv_ruler_{family}", path)
