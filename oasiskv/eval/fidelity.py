@@ -198,10 +198,14 @@ def judge(sample: Sample, outs: list) -> dict:
     return {"score": score(sample.task_obj, outs[0].text), "output": outs[0].text} | drafts
 
 
-def run_samples(engine_for: Callable[[str], Any], names: list[str], samples: list[Sample],
-                group: int, agree_tokens: int, bar=None) -> dict[str, list[dict]]:
+def run_samples(engine_for: Callable[[str], Any], names: list[str], samples: list,
+                group: int, agree_tokens: int, bar=None, request_fn=None,
+                judge_fn=None) -> dict[str, list[dict]]:
     """Every sample in every setting (`engine_for(name)`: the setting's engine); each prompt is
-    prefilled once, by the first setting's engine."""
+    prefilled once, by the first setting's engine. `request_fn(sample, kv, agree_tokens)` and
+    `judge_fn(sample, outs)` (default: :func:`requests_for`, :func:`judge`) say what a sample
+    asks and how its outputs score."""
+    request_fn, judge_fn = request_fn or requests_for, judge_fn or judge
     results: dict[str, list[dict]] = {name: [] for name in names}
     prefill_engine = engine_for(names[0])
     for start in range(0, len(samples), group):
@@ -209,14 +213,14 @@ def run_samples(engine_for: Callable[[str], Any], names: list[str], samples: lis
         kvs = [prefill_engine.compute_prefix_kv(s.ids[:-1]) for s in chunk]
         for name in names:
             engine = engine_for(name)
-            requests = [requests_for(s, kv, agree_tokens) for s, kv in zip(chunk, kvs,
-                                                                              strict=True)]
+            requests = [request_fn(s, kv, agree_tokens) for s, kv in zip(chunk, kvs,
+                                                                            strict=True)]
             t0 = time.perf_counter()
             outs = decode_all(engine, list(itertools.chain(*requests)))
             share = (time.perf_counter() - t0) / len(chunk)  # the group decodes as one batch
             at = 0
             for s, reqs in zip(chunk, requests, strict=True):
-                results[name].append(judge(s, outs[at:at + len(reqs)]) | {"decode_s": share})
+                results[name].append(judge_fn(s, outs[at:at + len(reqs)]) | {"decode_s": share})
                 at += len(reqs)
             del engine
         if bar is not None:
@@ -271,23 +275,25 @@ COLUMNS = [("context", "context"), ("task", "task"), ("setting", "setting"),
            ("decode_s", "decode s")]
 
 
-def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
+def settings_from_args(args: argparse.Namespace) -> list[Setting]:
+    """The settings that `eval passkey|needle|ppl|all|ruler`'s flags ask for."""
+    return settings_from(parse_list(args.kv_mode, str), parse_list(args.predictor, str),
+                         parse_list(args.top_k), parse_list(args.sink_blocks),
+                         parse_list(args.recent_blocks), parse_f_hbms(args.f_hbm),
+                         parse_list(args.block_size),
+                         parse_list(args.token_budget) if args.token_budget else (),
+                         parse_list(args.rerank, float),
+                         parse_list(getattr(args, "forced_drafts", "known"), str),
+                         parse_list(args.summary_dtype, str))
+
+
+def setting_engines(args: argparse.Namespace,
+                    settings: list[Setting]) -> tuple[list[str], Callable[[str], Any]]:
+    """(setting names, engine_for(name)): the first setting's engine, built here, and the
+    others' on its weights."""
     from oasiskv.config import EngineConfig
     from oasiskv.engine.engine import LLMEngine
 
-    t0 = time.perf_counter()
-    tasks = list(TASKS) if args.task == "all" else [args.task]
-    contexts = parse_list(args.context)
-    settings = settings_from(parse_list(args.kv_mode, str), parse_list(args.predictor, str),
-                             parse_list(args.top_k), parse_list(args.sink_blocks),
-                             parse_list(args.recent_blocks), parse_f_hbms(args.f_hbm),
-                             parse_list(args.block_size),
-                             parse_list(args.token_budget) if args.token_budget else (),
-                             parse_list(args.rerank, float),
-                             parse_list(args.forced_drafts, str),
-                             parse_list(args.summary_dtype, str))
-    if args.samples <= 0:
-        raise ValueError(f"--samples must be positive, got {args.samples}")
     base = {"model": args.model, "dtype": args.dtype, "drafter": args.drafter}
     if args.num_threads:
         base["num_threads"] = args.num_threads
@@ -301,7 +307,18 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
         # did not fit in 24 GiB side by side).
         return first if name == names[0] else LLMEngine(configs[name], share_weights=first)
 
-    tokenizer = first.tokenizer
+    return names, engine_for
+
+
+def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
+    t0 = time.perf_counter()
+    tasks = list(TASKS) if args.task == "all" else [args.task]
+    contexts = parse_list(args.context)
+    settings = settings_from_args(args)
+    if args.samples <= 0:
+        raise ValueError(f"--samples must be positive, got {args.samples}")
+    names, engine_for = setting_engines(args, settings)
+    tokenizer = engine_for(names[0]).tokenizer
     rows, per_sample = [], []
     total = len(contexts) * sum((args.ppl_samples or args.samples) if t == "ppl" else args.samples
                                 for t in tasks)
