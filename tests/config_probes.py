@@ -114,17 +114,14 @@ def most_admitted(r: Run) -> int:
     return most
 
 
-def selections_like(path: str, alpha: float, aggregation: str = "sum",
-                    prompts: list[list[int]] = PROMPTS, **kw) -> list[bool]:
-    """Decodes with predictor=exact; for each (step, layer, request) with a choice to make,
-    whether every KV head's working set is the top-K by the hand-computed score
-    sum_h q_h.c + alpha*|q_h|.r over exact (fp32) min/max summaries; with `aggregation`
-    softmax-sum / softmax-max, each query head's q_h.c + alpha*|q_h|.r softmaxed over the
-    request's blocks at the layer's attention scale, then summed / the largest. Two prompts
-    score as one batch (their summaries side by side), one alone."""
+def selections_match(want_of) -> tuple[list[bool], object]:  # noqa: ANN001
+    """(seen, setup): `setup` makes an LLM's critical-path selection (predictor=exact) report,
+    for each (step, layer, request) with a choice to make (more than top_k complete blocks),
+    into `seen` whether every KV head's working set equals `want_of(layer, q, keys, sparse)`
+    ([Hkv, K] block ids; q [Hkv, G, d] the step's query, keys [Hkv, n, B, d] exact)."""
     K, seen = SPARSE["top_k"], []
 
-    def spy_on(llm: LLM) -> None:
+    def setup(llm: LLM) -> None:
         sparse = llm.engine.sparse
         prepare = sparse.prepare_layer
 
@@ -136,21 +133,37 @@ def selections_like(path: str, alpha: float, aggregation: str = "sum",
                     continue
                 slots = (torch.tensor(d.seq.host_table[:n])[:, None] * B + torch.arange(B))
                 keys = sparse.host_kv[layer, 0][:, slots]  # [Hkv, n, B, d]
-                lo, hi = keys.amin(2), keys.amax(2)
                 qg = q[d.attn.q_start].view(keys.shape[0], -1, keys.shape[-1])  # [Hkv, G, d]
-                per_head = ((qg[:, :, None] * ((hi + lo) / 2)[:, None]).sum(-1) + alpha *
-                            (qg.abs()[:, :, None] * ((hi - lo) / 2)[:, None]).sum(-1))
-                if aggregation == "sum":  # [Hkv, G, n] -> [Hkv, n]
-                    score = per_head.sum(1)
-                else:
-                    probs = torch.softmax(per_head.double() * sparse.scales[layer], dim=-1)
-                    score = probs.sum(1) if aggregation == "softmax-sum" else probs.amax(1)
-                want = score.topk(K).indices  # [Hkv, K]
+                want = want_of(layer, qg, keys, sparse)
                 held = d.seq.working_set.head_map[layer]  # [K, Hkv]
                 seen.append(all(set(held[:, g].tolist()) == set(want[g].tolist())
                                 for g in range(len(want))))
 
         sparse.prepare_layer = spy
+
+    return seen, setup
+
+
+def selections_like(path: str, alpha: float, aggregation: str = "sum",
+                    prompts: list[list[int]] = PROMPTS, **kw) -> list[bool]:
+    """Decodes with predictor=exact; for each (step, layer, request) with a choice to make,
+    whether every KV head's working set is the top-K by the hand-computed score
+    sum_h q_h.c + alpha*|q_h|.r over exact (fp32) min/max summaries; with `aggregation`
+    softmax-sum / softmax-max, each query head's q_h.c + alpha*|q_h|.r softmaxed over the
+    request's blocks at the layer's attention scale, then summed / the largest. Two prompts
+    score as one batch (their summaries side by side), one alone."""
+    def want_of(layer: int, qg: torch.Tensor, keys: torch.Tensor, sparse) -> torch.Tensor:  # noqa: ANN001
+        lo, hi = keys.amin(2), keys.amax(2)
+        per_head = ((qg[:, :, None] * ((hi + lo) / 2)[:, None]).sum(-1) + alpha *
+                    (qg.abs()[:, :, None] * ((hi - lo) / 2)[:, None]).sum(-1))
+        if aggregation == "sum":  # [Hkv, G, n] -> [Hkv, n]
+            score = per_head.sum(1)
+        else:
+            probs = torch.softmax(per_head.double() * sparse.scales[layer], dim=-1)
+            score = probs.sum(1) if aggregation == "softmax-sum" else probs.amax(1)
+        return score.topk(SPARSE["top_k"]).indices  # [Hkv, K]
+
+    seen, spy_on = selections_match(want_of)
 
     if aggregation != "sum":
         kw.setdefault("score_aggregation", aggregation)
@@ -186,32 +199,14 @@ def reranks_like(path: str, quantized: bool, **kw) -> list[bool]:
     for each (step, layer, request) with a choice to make, whether every KV head's working set
     is the top-K by the step query's attention mass per block (over complete blocks, summed
     over the head's query heads), from exact keys or from `int8_keys` of them."""
-    K, seen = SPARSE["top_k"], []
+    def want_of(layer: int, qg: torch.Tensor, keys: torch.Tensor, sparse) -> torch.Tensor:  # noqa: ANN001
+        if quantized:
+            keys = int8_keys(keys)
+        logits = torch.einsum("hgd,hnbd->hgnb", qg.double(), keys.double()) * sparse.scales[layer]
+        probs = torch.softmax(logits.flatten(2), -1).view(logits.shape)
+        return probs.sum((1, 3)).topk(SPARSE["top_k"]).indices  # [Hkv, K]
 
-    def spy_on(llm: LLM) -> None:
-        sparse = llm.engine.sparse
-        prepare = sparse.prepare_layer
-
-        def spy(layer: int, q: torch.Tensor) -> None:
-            prepare(layer, q)  # selects for this step, on the critical path
-            for d in sparse._decodes:
-                n = d.pos // B
-                if n <= K:
-                    continue
-                slots = (torch.tensor(d.seq.host_table[:n])[:, None] * B + torch.arange(B))
-                keys = sparse.host_kv[layer, 0][:, slots]  # [Hkv, n, B, d]
-                if quantized:
-                    keys = int8_keys(keys)
-                hkv, dim = keys.shape[0], keys.shape[-1]
-                qg = q[d.attn.q_start].view(hkv, -1, dim).double()  # [Hkv, G, d]
-                logits = torch.einsum("hgd,hnbd->hgnb", qg, keys.double()) * sparse.scales[layer]
-                probs = torch.softmax(logits.flatten(2), -1).view(logits.shape)
-                want = probs.sum((1, 3)).topk(K).indices  # [Hkv, K]
-                held = d.seq.working_set.head_map[layer]  # [K, Hkv]
-                seen.append(all(set(held[:, g].tolist()) == set(want[g].tolist())
-                                for g in range(hkv)))
-
-        sparse.prepare_layer = spy
+    seen, spy_on = selections_match(want_of)
 
     r = run(path, [LONG], setup=spy_on, **SPARSE, predictor="exact", rerank=8, **kw)
     assert r.outputs[0].finish_reason == "length"
