@@ -93,6 +93,11 @@ def llm(**kw: Any) -> Callable[[Ctx], Any]:
     return lambda c: LLM(c.model, **kw)
 
 
+def with_head(name: str) -> Callable[[Ctx], Any]:
+    """An engine whose speculative drafter is the bad-file fixture's head directory `name`."""
+    return lambda c: LLM(c.model, speculative="accept", drafter=f"eagle:{c.f[name]}")
+
+
 def ids(n: int) -> list[int]:
     return [5 + i % 200 for i in range(n)]
 
@@ -154,25 +159,25 @@ ROWS = [
 
     # ---- drafter directories (eagle:DIR)
     Row("drafter config.json missing a field",
-        lambda c: LLM(c.model, speculative="accept", drafter=f"eagle:{c.f['head_missing']}"),
+        with_head("head_missing"),
         r"config\.json: missing fields \['head_dim'\]"),
     Row("drafter config.json unknown field",
-        lambda c: LLM(c.model, speculative="accept", drafter=f"eagle:{c.f['head_unknown']}"),
+        with_head("head_unknown"),
         r"config\.json: missing fields \[\], unknown fields \['heads'\]"),
     Row("drafter config.json wrongly typed field",
-        lambda c: LLM(c.model, speculative="accept", drafter=f"eagle:{c.f['head_type']}"),
+        with_head("head_type"),
         r"config\.json: hidden_size must be an integer, got '64'"),
     Row("drafter weights of the wrong shapes",
-        lambda c: LLM(c.model, speculative="accept", drafter=f"eagle:{c.f['head_shape']}"),
+        with_head("head_shape"),
         r"head\.safetensors does not fit config\.json: .*wrong shapes \['mlp\.down_proj"),
     Row("drafter weights truncated",
-        lambda c: LLM(c.model, speculative="accept", drafter=f"eagle:{c.f['head_cut']}"),
+        with_head("head_cut"),
         r"head\.safetensors: not a readable safetensors file"),
     Row("drafter trained for another model",
-        lambda c: LLM(c.model, speculative="accept", drafter=f"eagle:{c.f['head_other']}"),
+        with_head("head_other"),
         r"was trained for other \(hidden 64, vocabulary 999\)"),
     Row("drafter directory without a head",
-        lambda c: LLM(c.model, speculative="accept", drafter=f"eagle:{c.f['no_config']}"),
+        with_head("no_config"),
         r"holds no trained head"),
     Row("drafter weights of the wrong shapes (cli)",
         [*GEN, "--speculative", "accept", "--drafter", "eagle:{f[head_shape]}"],
