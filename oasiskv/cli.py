@@ -274,6 +274,12 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
                    help="sparse: block summaries' dtype, values to compare (auto = "
                    "bfloat16 for float32 K/V, else the KV dtype; float32, float16, "
                    "bfloat16)")
+    p.add_argument("--score-aggregation", default=CacheConfig.score_aggregation,
+                   help="sparse: how a KV head's query heads combine block scores (values to "
+                   "compare: sum, softmax-sum, softmax-max)")
+    p.add_argument("--rerank-source", default="host",
+                   help="sparse, with --rerank: where the re-ranking reads keys (values to "
+                   "compare: host, int8)")
     p.add_argument("--sink-blocks", default="0",
                    help="sparse: first blocks always kept (values to compare, e.g. 0,4)")
     p.add_argument("--recent-blocks", default="0",

@@ -46,6 +46,7 @@ from oasiskv.sampling_params import SamplingParams
 TASKS = ("passkey", "needle", "ppl")
 DEFAULT_F_HBM = CacheConfig.f_hbm
 DEFAULT_BLOCK_SIZE = CacheConfig.block_size
+DEFAULT_AGGREGATION = CacheConfig.score_aggregation
 MAX_ANSWER_TOKENS = {"passkey": 12, "single": 20, "multikey": 20, "multivalue": 64}
 
 
@@ -63,6 +64,8 @@ class Setting:
     rerank: float = 0.0
     forced_drafts: str = "known"  # ppl with lookahead: the text's next token, or a guess
     summary_dtype: str = "auto"
+    score_aggregation: str = DEFAULT_AGGREGATION
+    rerank_source: str = "host"
 
     @property
     def name(self) -> str:
@@ -72,11 +75,14 @@ class Setting:
                                                        (self.recent_blocks, "recent")) if n)
         cap = "" if self.f_hbm == DEFAULT_F_HBM else f" f_hbm={self.f_hbm}"
         block = "" if self.block_size == DEFAULT_BLOCK_SIZE else f" B={self.block_size}"
-        rerank = f" rerank={self.rerank:g}" if self.rerank else ""
+        source = "" if self.rerank_source == "host" else f" {self.rerank_source}"
+        rerank = f" rerank={self.rerank:g}{source}" if self.rerank else ""
+        scoring = ("" if self.score_aggregation == DEFAULT_AGGREGATION
+                   else f" {self.score_aggregation}")
         guessed = " guessed drafts" if self.forced_drafts == "guessed" else ""
         summaries = "" if self.summary_dtype == "auto" else f" {self.summary_dtype} summaries"
-        return (f"sparse K={self.top_k}{block} {self.predictor}{rerank}{guessed}{pins}{cap}"
-                f"{summaries}")
+        return (f"sparse K={self.top_k}{block} {self.predictor}{scoring}{rerank}{guessed}{pins}"
+                f"{cap}{summaries}")
 
     def engine_kwargs(self) -> dict:
         if self.kv_mode == "dense":
@@ -84,7 +90,8 @@ class Setting:
         return {"kv_mode": "sparse", "predictor": self.predictor, "top_k": self.top_k,
                 "sink_blocks": self.sink_blocks, "recent_blocks": self.recent_blocks,
                 "f_hbm": self.f_hbm, "block_size": self.block_size, "rerank": self.rerank,
-                "forced_drafts": self.forced_drafts, "summary_dtype": self.summary_dtype}
+                "forced_drafts": self.forced_drafts, "summary_dtype": self.summary_dtype,
+                "score_aggregation": self.score_aggregation, "rerank_source": self.rerank_source}
 
 
 def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
@@ -94,10 +101,13 @@ def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
                   token_budgets: tuple[int, ...] = (),
                   reranks: tuple[float, ...] = (0.0,),
                   forced_drafts: tuple[str, ...] = ("known",),
-                  summary_dtypes: tuple[str, ...] = ("auto",)) -> list[Setting]:
+                  summary_dtypes: tuple[str, ...] = ("auto",),
+                  aggregations: tuple[str, ...] = (DEFAULT_AGGREGATION,),
+                  rerank_sources: tuple[str, ...] = ("host",)) -> list[Setting]:
     """dense, then every sparse combination. With token budgets, K = budget / B for each block
     size B instead of top_ks: finer blocks at the same resident tokens. Only lookahead drafts,
-    so the other predictors take one forced_drafts value."""
+    so the other predictors take one forced_drafts value; only a rerank reads keys, so
+    rerank=0 takes one rerank_source."""
     bad = [m for m in kv_modes if m not in ("dense", "sparse")]
     if bad or not kv_modes:
         raise ValueError(f"--kv-mode takes dense and/or sparse, got {kv_modes}")
@@ -110,10 +120,11 @@ def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
                              f"{uneven[0]} tokens")
     out = [Setting("dense")] if "dense" in kv_modes else []
     if "sparse" in kv_modes:
-        out += [Setting("sparse", p, k, s, r, f, b, c, d, u) for b in block_sizes
+        out += [Setting("sparse", p, k, s, r, f, b, c, d, u, a, src) for b in block_sizes
                 for k in ([t // b for t in token_budgets] or top_ks)
                 for s in sinks for r in recents for f in f_hbms for p in predictors
-                for c in reranks
+                for a in aggregations
+                for c in reranks for src in (rerank_sources if c else rerank_sources[:1])
                 for d in (forced_drafts if p == "lookahead" else forced_drafts[:1])
                 for u in summary_dtypes]
     return out
@@ -284,7 +295,9 @@ def settings_from_args(args: argparse.Namespace) -> list[Setting]:
                          parse_list(args.token_budget) if args.token_budget else (),
                          parse_list(args.rerank, float),
                          parse_list(getattr(args, "forced_drafts", "known"), str),
-                         parse_list(args.summary_dtype, str))
+                         parse_list(args.summary_dtype, str),
+                         parse_list(args.score_aggregation, str),
+                         parse_list(args.rerank_source, str))
 
 
 def setting_engines(args: argparse.Namespace,

@@ -100,7 +100,23 @@ def test_pinned_block_settings_are_their_own_columns():
                                             "top_k": 32, "sink_blocks": 4, "recent_blocks": 2,
                                             "f_hbm": 0.05, "block_size": 16, "rerank": 0.0,
                                             "forced_drafts": "known",
-                                            "summary_dtype": "auto"}
+                                            "summary_dtype": "auto",
+                                            "score_aggregation": "sum",
+                                            "rerank_source": "host"}
+
+
+def test_scoring_options_are_their_own_columns():
+    settings = settings_from(["sparse"], ["lookahead"], [128], reranks=[0.0, 2.0],
+                             aggregations=["sum", "softmax-sum"],
+                             rerank_sources=["host", "int8"])
+    assert [s.name for s in settings] == [
+        "sparse K=128 lookahead", "sparse K=128 lookahead rerank=2",
+        "sparse K=128 lookahead rerank=2 int8", "sparse K=128 lookahead softmax-sum",
+        "sparse K=128 lookahead softmax-sum rerank=2",
+        "sparse K=128 lookahead softmax-sum rerank=2 int8"]  # rerank=0 reads no keys
+    assert [(s.engine_kwargs()["score_aggregation"], s.engine_kwargs()["rerank_source"])
+            for s in settings[3:]] == [("softmax-sum", "host"), ("softmax-sum", "host"),
+                                       ("softmax-sum", "int8")]
 
 
 def test_rerank_settings_are_their_own_columns():
