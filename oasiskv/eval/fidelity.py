@@ -107,7 +107,7 @@ def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
     """dense, then every sparse combination. With token budgets, K = budget / B for each block
     size B instead of top_ks: finer blocks at the same resident tokens. Only lookahead drafts,
     so the other predictors take one forced_drafts value; only a rerank reads keys, so
-    rerank=0 takes one rerank_source."""
+    rerank=0 takes the host (no keys read)."""
     bad = [m for m in kv_modes if m not in ("dense", "sparse")]
     if bad or not kv_modes:
         raise ValueError(f"--kv-mode takes dense and/or sparse, got {kv_modes}")
@@ -124,7 +124,7 @@ def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
                 for k in ([t // b for t in token_budgets] or top_ks)
                 for s in sinks for r in recents for f in f_hbms for p in predictors
                 for a in aggregations
-                for c in reranks for src in (rerank_sources if c else rerank_sources[:1])
+                for c in reranks for src in (rerank_sources if c else ("host",))
                 for d in (forced_drafts if p == "lookahead" else forced_drafts[:1])
                 for u in summary_dtypes]
     return out

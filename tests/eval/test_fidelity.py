@@ -117,6 +117,10 @@ def test_scoring_options_are_their_own_columns():
     assert [(s.engine_kwargs()["score_aggregation"], s.engine_kwargs()["rerank_source"])
             for s in settings[3:]] == [("softmax-sum", "host"), ("softmax-sum", "host"),
                                        ("softmax-sum", "int8")]
+    only_int8 = settings_from(["sparse"], ["lookahead"], [128], reranks=[0.0, 2.0],
+                              rerank_sources=["int8"])
+    assert [s.name for s in only_int8] == ["sparse K=128 lookahead",
+                                           "sparse K=128 lookahead rerank=2 int8"]
 
 
 def test_rerank_settings_are_their_own_columns():
