@@ -158,16 +158,16 @@ class ModelRunner:
         pool, table = self._kv_home(seq)
         n = kv.shape[3]
         used = table[:-(-n // self.block_size)]
-        pools = [(pool, kv)]
+        copies = [(pool, kv)]
         if self.dense_layers:  # the dense layers' device copy too, at the same slots
-            pools.append((self.dense_kv, kv[:self.dense_layers]))
-        for pool, kv in pools:
+            copies.append((self.dense_kv, kv[:self.dense_layers]))
+        for dst, src in copies:
             if is_contiguous(used):  # one run of slots: a plain copy, several times faster
                 start = used[0] * self.block_size
-                pool[:, :, :, start:start + n] = kv
+                dst[:, :, :, start:start + n] = src
             else:
-                pool.index_copy_(3, self._token_slots(table, 0, n).to(pool.device),
-                                 kv.to(pool.device))
+                dst.index_copy_(3, self._token_slots(table, 0, n).to(dst.device),
+                                src.to(dst.device))
         if self.sparse is not None:
             self.sparse.summarize_prefill(seq, 0, n)
             if self.dense_layers:
