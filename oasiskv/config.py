@@ -141,6 +141,12 @@ class CacheConfig:
     recent_blocks: int = _field(
         0, "sparse: the last complete blocks stay in every working set (a local window, as "
         "Quest/FreeKV keep recent tokens); part of top_k")
+    dense_layers: int = _field(
+        0, "sparse: the first N decoder layers attend to their whole context (dense "
+        "attention, as Quest and FreeKV keep layers 0-1), with no selection or prefetch; their "
+        "K/V is a device copy of each request's whole history, charged to device_kv_budget "
+        "beside the summaries (N layers x 2 x KV heads x block_size x head_dim x dtype bytes "
+        "per block); the slab and summaries cover the other layers only")
     score_alpha: float = _field(
         1.0, "sparse: block score q.c + alpha*|q|.r over the min/max key summary (1 = Quest)")
     score_aggregation: str = _field(
@@ -230,6 +236,9 @@ class CacheConfig:
             raise ValueError(f"sink_blocks + recent_blocks ({self.sink_blocks} + "
                              f"{self.recent_blocks}) must leave room in top_k ({self.top_k}) "
                              "for selected blocks")
+        if self.dense_layers < 0:
+            raise ValueError(f"dense_layers must be >= 0 (0: every layer sparse), "
+                             f"got {self.dense_layers}")
         if self.summary_dtype != "auto" and self.summary_dtype not in _DTYPES:
             raise ValueError(f"summary_dtype {self.summary_dtype!r} is not auto or one of "
                              f"{sorted(set(_DTYPES))}")
@@ -269,6 +278,10 @@ class CacheConfig:
         if spec != "none" and self.rerank:
             raise ValueError("rerank reads its candidates' keys from the host tier, which holds "
                              f"only part of the history with remote_store={spec!r}")
+        if spec != "none" and self.dense_layers:
+            raise ValueError("dense_layers with remote_store is not supported yet (the dense "
+                             "layers' device copy is indexed by host blocks, which a remote "
+                             "store's host caches evict)")
         if parse_budget("remote_lend", self.remote_lend) < 0:
             raise ValueError(f"remote_lend must be >= 0 bytes, got {self.remote_lend!r}")
         if not 0 < self.f_host <= 1:

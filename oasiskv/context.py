@@ -63,6 +63,14 @@ class StepContext:
     # attention's batches of equal sparse slabs (layers/attention.slab_groups), set by the
     # first layer
     slab_groups: list[SlabGroup] | None = None
+    # sparse with dense_layers=N: layers 0..N-1 read `dense` instead (whole contexts in their
+    # own device copy, no working sets); `sparse` then counts its layers from layer N
+    dense: StepContext | None = None
+    dense_layers: int = 0
+
+    def for_layer(self, layer: int) -> StepContext:
+        """What attention layer `layer` reads: `dense` for the first dense_layers layers."""
+        return self.dense if layer < self.dense_layers else self
 
 
 _CONTEXT: StepContext | None = None

@@ -63,6 +63,7 @@ TYPED = [
     ("prefault_kv", "true", True),
     ("sink_blocks", "2", 2),
     ("recent_blocks", "1", 1),
+    ("dense_layers", "1", 1),
     ("remote_store", "none", "none"),  # others need kv_mode=sparse
     ("f_host", "1.0", 1.0),
     ("remote_lend", "0", "0"),

@@ -312,6 +312,23 @@ def _recent_blocks(ctx: Ctx) -> None:
     assert not always_last(run(ctx.path, **SPARSE))
 
 
+@row("dense_layers")
+def _dense_layers(ctx: Ctx) -> None:
+    """1: layer 0 attends densely, with no working set nor selection there (the head maps
+    cover layer 1 only, half the default's block predictions, counted per layer), and its
+    K/V is a device copy of every block charged beside the summaries: per block 1 layer x 2
+    x 2 KV heads x 16 tokens x 16 x 4 B, while a slab block and a summary hold the one sparse
+    layer (tests/kv/test_dense_layers.py: layer 0 equals dense mode)."""
+    one, default = run(ctx.path, **SPARSE, dense_layers=1), run(ctx.path, **SPARSE)
+    assert {s.head_map.shape[0] for s in one.snaps()} == {1}
+    assert {s.head_map.shape[0] for s in default.snaps()} == {2}
+    assert 2 * one.stats["sparse_predicted"] == default.stats["sparse_predicted"] > 0
+    assert one.stats["dense_layer_bytes_per_block"] == 2 * 2 * 16 * 16 * 4
+    assert one.stats["kv_bytes_per_block"] == BYTES_PER_BLOCK // 2
+    assert one.stats["summary_bytes_per_block"] == 2 * 2 * 16 * 2 + 2 * 2 * 16 * 16 * 4
+    assert "dense_layer_bytes_per_block" not in default.stats
+
+
 @row("score_alpha")
 def _score_alpha(ctx: Ctx) -> None:
     assert all(selections_like(ctx.path, 0.0, score_alpha=0.0))

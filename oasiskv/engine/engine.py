@@ -21,8 +21,11 @@ from oasiskv.engine.runner import ModelRunner, allocate_kv, is_decode
 from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import BlockPool, KVAllocator
+from oasiskv.kv.dense_layers import allocate_dense_kv, check_dense_layers, sparse_layers
 from oasiskv.kv.device_budget import (
+    dense_layer_bytes,
     device_memory,
+    device_tensors,
     key_copy_bytes,
     split_dense,
     split_sparse,
@@ -121,6 +124,7 @@ class LLMEngine:
         host tier."""
         block = cache.block_size
         self.bytes_per_block = mc.kv_bytes_per_token(dtype) * block
+        check_dense_layers(cache.dense_layers, mc)
         if cache.kv_mode == "sparse" and self.device.type != "cpu":
             raise ValueError("kv_mode=sparse runs on the CPU for now: its prefill reads the "
                              "host tier in place (the GPU path needs the prefetch executor)")
@@ -138,12 +142,16 @@ class LLMEngine:
                                  f"KV block ({self.bytes_per_block} B)")
             one_node = cache.remote_store == "none"
             summary_dtype = cache.summary_torch_dtype(dtype)
+            n_dense = cache.dense_layers  # the slabs, summaries, key copy: the other layers'
+            smc = sparse_layers(mc, n_dense)
             # Summary ids the host tier can use: one node, one per host block (its id); with a
             # remote store they outlive host blocks: enough for every request that host caches
             # at f_host could hold (a budget >= f_host * history).
             split = self.device_split = split_sparse(
-                cache.device_kv_budget, self.bytes_per_block, summary_bytes(mc, summary_dtype)
-                + (key_copy_bytes(mc, block) if cache.key_copy else 0),
+                cache.device_kv_budget, smc.kv_bytes_per_token(dtype) * block,
+                summary_bytes(smc, summary_dtype)
+                + (key_copy_bytes(smc, block) if cache.key_copy else 0)
+                + dense_layer_bytes(mc, n_dense, block, dtype),
                 cache.slab_blocks, -(-self.max_model_len // block),
                 host_blocks if one_node else math.ceil(host_blocks / cache.f_host))
             if one_node and split.summary_ids < host_blocks:
@@ -151,7 +159,7 @@ class LLMEngine:
                          "summaries device_kv_budget holds beside the slabs",
                          split.summary_ids, host_blocks)
                 host_blocks = split.summary_ids
-            device_kv = allocate_kv(mc, split.kv_blocks, block, dtype, self.device)
+            device_kv = allocate_kv(smc, split.kv_blocks, block, dtype, self.device)
             self.pool = BlockPool(split.kv_blocks, block)
             host_kv = allocate_kv(mc, host_blocks, block, dtype,
                                   pin=torch.cuda.is_available())
@@ -161,31 +169,33 @@ class LLMEngine:
                                   summaries=None if remote is None else
                                   BlockPool(split.summary_ids, block),
                                   summary_room=split.summary_room)
-            summary = (mc.num_layers, split.summary_ids, mc.num_kv_heads, mc.head_dim)
+            summary = (smc.num_layers, split.summary_ids, mc.num_kv_heads, mc.head_dim)
             executor = make_executor(cache.prefetch, self.device)
             weakref.finalize(self, executor.close)  # no worker outlives the engine
-            self.sparse = SparseKV(cache, device_kv, host_kv,
+            self.sparse = SparseKV(cache, device_kv, host_kv[n_dense:] if n_dense else host_kv,
                                    torch.empty(summary, dtype=summary_dtype,
                                                device=self.device),
                                    torch.empty(summary, dtype=summary_dtype,
                                                device=self.device),
                                    PrefetchPipeline(executor), remote=remote,
-                                   scales=[a.scale for a in self.model.attention_layers()])
+                                   scales=[a.scale for a in
+                                           self.model.attention_layers()][n_dense:])
             if cache.key_copy:
                 self.sparse.key_codes = torch.empty(
                     (*summary[:3], block, mc.head_dim), dtype=torch.int8, device=self.device)
                 self.sparse.key_scales = torch.empty(summary[:3], device=self.device)
-            self.runner = ModelRunner(self.model, device_kv, block, host_kv, self.sparse)
+            dense_kv = allocate_dense_kv(mc, n_dense, split.summary_ids, block, dtype,
+                                         self.device)
+            self.runner = ModelRunner(self.model, device_kv, block, host_kv, self.sparse,
+                                      dense_kv)
             t0 = time.perf_counter()
             warm_up_scores(self.sparse.kmin, cache.score_aggregation,
                            mc.num_heads // mc.num_kv_heads)
             log.info("compiled the block scoring in %.1f s", time.perf_counter() - t0)
         if cache.prefault_kv:
             t0 = time.perf_counter()
-            pools = [device_kv] + ([] if self.sparse is None else
-                                   [self.sparse.host_kv, self.sparse.kmin, self.sparse.kmax]
-                                   + ([] if self.sparse.key_codes is None else
-                                      [self.sparse.key_codes, self.sparse.key_scales]))
+            pools = device_tensors(self) + ([] if self.sparse is None else
+                                            [self.runner.host_kv])
             for pool in pools:
                 pool.zero_()
             log.info("prefaulted %.2f GiB of KV pools in %.1f s",
@@ -625,6 +635,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         used = self.pool.num_used
+        block_bytes = self.device_split.block_bytes  # sparse: a slab block, its sparse layers
         sparse = {}
         if self.sparse is not None:
             self.sparse.flush()  # count the jobs still in flight
@@ -634,7 +645,7 @@ class LLMEngine:
                           host_blocks_total=self.host_pool.num_blocks,
                           host_bytes_held=self.host_pool.num_used * self.bytes_per_block,
                           host_peak_bytes=self.host_pool.peak_used * self.bytes_per_block,
-                          slab_bytes=self.config.cache.slab_blocks * self.bytes_per_block,
+                          slab_bytes=self.config.cache.slab_blocks * block_bytes,
                           fetch_cap=self.sparse.fetch_cap)
             if self.sparse.remote is not None:
                 sparse.update(self._host_cache_stats())
@@ -644,8 +655,8 @@ class LLMEngine:
                 "waiting": len(self.scheduler.waiting),
                 "kv_blocks_used": used,
                 "kv_blocks_total": self.pool.num_blocks,
-                "kv_bytes_held": used * self.bytes_per_block,
+                "kv_bytes_held": used * block_bytes,
                 "kv_peak_blocks": self.pool.peak_used,
-                "kv_peak_bytes": self.pool.peak_used * self.bytes_per_block,
-                "kv_bytes_per_block": self.bytes_per_block, **device_memory(self)}
+                "kv_peak_bytes": self.pool.peak_used * block_bytes,
+                "kv_bytes_per_block": block_bytes, **device_memory(self)}
 

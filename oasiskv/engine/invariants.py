@@ -7,6 +7,10 @@ every injected fault).
   live request is marked used, and the pool uses no block that no live request owns; waiting
   requests own none; a host cache maps only its request's host blocks;
 - progress: a request's K/V covers at most its tokens but the last, within its blocks;
+- device: the tensors device_kv_budget pays for take at most the budget; with dense_layers the
+  dense layers' device copy has a block for each summary id (it is indexed by host blocks, so
+  the host tier's check above catches its leaked blocks), and for every running request it
+  holds what the host tier holds for its computed tokens (both written together);
 - prefetch: no pending job touches a request that is not live (its blocks may be reused);
 - remote store: its namespaces (where it can list them) belong to live requests (or to
   `foreign` ones: another engine's on a shared store). The prefix index may point to gone
@@ -18,8 +22,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import torch
+
 from oasiskv.engine.sequence import Sequence, SequenceStatus
 from oasiskv.kv.blocks import BlockPool
+from oasiskv.kv.device_budget import device_tensors
 from oasiskv.kv.remote_tier import RemoteTier, request_namespaces
 
 if TYPE_CHECKING:
@@ -39,7 +46,8 @@ def check_invariants(engine: LLMEngine, foreign: Iterable[str] = ()) -> None:
 def violations(engine: LLMEngine, foreign: Iterable[str] = ()) -> list[str]:
     sched = engine.scheduler
     live = list(sched.running) + list(sched.waiting)
-    problems = _requests(engine, live) + _blocks(engine, live) + _progress(engine, live)
+    problems = (_requests(engine, live) + _blocks(engine, live) + _progress(engine, live)
+                + _device(engine))
     sparse = engine.sparse
     if sparse is not None:
         live_ids = {id(s) for s in live}
@@ -146,6 +154,34 @@ def _progress(engine: LLMEngine, live: list[Sequence]) -> list[str]:
         if sparse and seq.host_cache is None and len(seq.host_table) * B < n:
             problems.append(f"request {seq.request_id}: {len(seq.host_table)} host blocks "
                             f"cannot hold its {n} computed tokens")
+    return problems
+
+
+def _device(engine: LLMEngine) -> list[str]:
+    problems = []
+    budget = engine.config.cache.device_kv_budget
+    total = sum(t.numel() * t.element_size() for t in device_tensors(engine))
+    if total > budget:
+        problems.append(f"the device tensors take {total} B, more than device_kv_budget "
+                        f"{budget} B")
+    dense = engine.runner.dense_kv
+    if dense is None:
+        return problems
+    B, ids = engine.kv.device.block_size, engine.kv.summary_pool.num_blocks
+    if dense.shape[3] != ids * B:
+        problems.append(f"the dense layers' copy holds {dense.shape[3] // B} blocks, the "
+                        f"engine {ids} summary ids")
+        return problems
+    host = engine.runner.host_kv[:dense.shape[0]]
+    for seq in engine.scheduler.running:
+        if seq.prefix_kv is not None:  # its given K/V is written when it first runs
+            continue
+        n = seq.num_computed_tokens
+        pos = torch.arange(n)
+        slots = torch.tensor(seq.host_table, dtype=torch.long)[pos // B] * B + pos % B
+        if not torch.equal(dense[:, :, :, slots.to(dense.device)].cpu(), host[:, :, :, slots]):
+            problems.append(f"request {seq.request_id}: the dense layers' device copy differs "
+                            f"from the host tier within its {n} computed tokens")
     return problems
 
 

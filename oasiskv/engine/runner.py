@@ -11,6 +11,7 @@ from oasiskv.context import KVWrite, SeqAttention, StepContext, set_context
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import block_runs, is_contiguous
+from oasiskv.kv.dense_layers import dense_context, token_bytes
 from oasiskv.kv.residency import SparseKV
 from oasiskv.models.llama import LlamaForCausalLM
 
@@ -44,7 +45,11 @@ class StepOutput(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, device_kv: torch.Tensor, block_size: int,
-                 host_kv: torch.Tensor | None = None, sparse: SparseKV | None = None) -> None:
+                 host_kv: torch.Tensor | None = None, sparse: SparseKV | None = None,
+                 dense_kv: torch.Tensor | None = None) -> None:
+        """Sparse with dense_layers=N (`kv/dense_layers.py`): `dense_kv` [N, ...] holds the
+        first N layers' K/V, `device_kv` (the slabs) and `sparse` the other layers'; `host_kv`
+        every layer's."""
         self.model = model
         self.keep_draft_kv = False  # speculative acceptance: drafts' K/V may be committed
         self.aux_layers: tuple[int, ...] = ()  # layers whose outputs a drafter reads
@@ -54,10 +59,16 @@ class ModelRunner:
         self.device = device_kv.device
         self.block_size = block_size
         self.sparse = sparse
+        self.dense_kv = dense_kv
+        self.dense_layers = 0 if dense_kv is None else dense_kv.shape[0]
         # Pools are [layers, K/V, Hkv, slots, d]; each attention layer gets its slices.
         for i, attn in enumerate(model.attention_layers()):
             attn.layer_idx = i
-            attn.pools = {"device": (device_kv[i, 0], device_kv[i, 1])}
+            if i < self.dense_layers:
+                attn.pools = {"dense": (dense_kv[i, 0], dense_kv[i, 1])}
+            else:
+                j = i - self.dense_layers
+                attn.pools = {"device": (device_kv[j, 0], device_kv[j, 1])}
             if host_kv is not None:
                 attn.pools["host"] = (host_kv[i, 0], host_kv[i, 1])
 
@@ -127,6 +138,10 @@ class ModelRunner:
                 row += m
         ctx.writes = [KVWrite(pool, torch.cat(r).to(self.device), torch.cat(s).to(self.device))
                       for pool, (r, s) in writes.items()]
+        if self.dense_layers:
+            ctx.dense = dense_context(batch, ctx.seqs, self._view, self._token_slots,
+                                      self.device)
+            ctx.dense_layers = self.dense_layers
         if self.sparse is not None:
             self.sparse.begin_step(decodes)
         return (torch.tensor(ids, device=self.device), torch.cat(positions).to(self.device), ctx)
@@ -143,14 +158,20 @@ class ModelRunner:
         pool, table = self._kv_home(seq)
         n = kv.shape[3]
         used = table[:-(-n // self.block_size)]
-        if is_contiguous(used):  # one run of slots: a plain copy, several times faster
-            start = used[0] * self.block_size
-            pool[:, :, :, start:start + n] = kv
-        else:
-            pool.index_copy_(3, self._token_slots(table, 0, n).to(pool.device),
-                             kv.to(pool.device))
+        copies = [(pool, kv)]
+        if self.dense_layers:  # the dense layers' device copy too, at the same slots
+            copies.append((self.dense_kv, kv[:self.dense_layers]))
+        for dst, src in copies:
+            if is_contiguous(used):  # one run of slots: a plain copy, several times faster
+                start = used[0] * self.block_size
+                dst[:, :, :, start:start + n] = src
+            else:
+                dst.index_copy_(3, self._token_slots(table, 0, n).to(dst.device),
+                                src.to(dst.device))
         if self.sparse is not None:
             self.sparse.summarize_prefill(seq, 0, n)
+            if self.dense_layers:
+                self.sparse._count(host_write_bytes=n * token_bytes(self.dense_kv))
         seq.prefix_kv = None  # only once it is all there: a failed step's retry writes it again
 
     def read_kv(self, seq: Sequence, n: int) -> torch.Tensor:
@@ -169,7 +190,14 @@ class ModelRunner:
         v = torch.stack([ctx.draft_kv[layer][1][row] for layer in layers])
         pos = seq.num_computed_tokens
         if self.sparse is not None:
-            self.sparse.commit_token(seq, pos, k, v)
+            n = self.dense_layers
+            self.sparse.commit_token(seq, pos, k[n:], v[n:])
+            if n:  # the dense layers' copy and their host tier, at its host slot
+                slot = self.sparse.host_block(seq, pos // self.block_size) * self.block_size \
+                    + pos % self.block_size
+                for pool in (self.dense_kv, self.host_kv[:n]):
+                    pool[:, 0, :, slot] = k[:n].to(pool.device)
+                    pool[:, 1, :, slot] = v[:n].to(pool.device)
             return
         slot = int(self._token_slots(seq.block_table, pos, pos + 1))
         self.device_kv[:, 0, :, slot] = k
@@ -198,6 +226,11 @@ class ModelRunner:
                 if not is_decode(seq, n):  # written to the host tier by prefill
                     self.sparse.summarize_prefill(seq, seq.num_computed_tokens,
                                                   seq.num_computed_tokens + n)
+            if self.dense_layers:  # the dense layers' new K/V went to the host tier too
+                decode = sum(n for seq, n in batch if is_decode(seq, n))
+                per_token = token_bytes(self.dense_kv)
+                self.sparse._count(d2h_bytes=decode * per_token, host_write_bytes=(
+                    sum(n for _, n in batch) - decode) * per_token)
             self.sparse.end_step()
         features: list[torch.Tensor | None] = [None] * len(batch)
         if self.aux_layers:

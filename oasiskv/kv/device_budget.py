@@ -2,7 +2,10 @@
 
 Dense: KV blocks only. Sparse: KV blocks for the requests' slabs (K+2 blocks each) and block
 summaries (kmin/kmax of one block in every layer, and with rerank_source=int8 the block's int8
-key copy) for their histories, tensors whose sizes add up to at most the budget. The split
+key copy) for their histories, tensors whose sizes add up to at most the budget. With
+dense_layers=N the slabs, summaries and key copy cover the other layers only, and each block of
+a history also holds the N dense layers' K/V (`kv/dense_layers.py`), charged beside its
+summary. The split
 follows one request of the engine's longest context: its slab and its summaries in proportion,
 so that such requests run out of both together;
 summary ids beyond what the host tier can ever use (`summary_cap`) go to the slabs instead.
@@ -23,7 +26,8 @@ class DeviceSplit:
     summary_ids: int  # block summaries allocated (0 in dense mode)
     summary_room: int  # summary ids the budget has room for beside the slabs, before the cap
     block_bytes: int  # one KV block, every layer, K and V
-    summary_bytes: int  # one block's kmin and kmax, every layer (and its int8 key copy)
+    summary_bytes: int  # one block's kmin and kmax, every sparse layer (and its int8 key
+    # copy, and with dense_layers the dense layers' K/V of the block)
 
     @property
     def allocated(self) -> int:
@@ -39,6 +43,13 @@ def key_copy_bytes(mc: ModelConfig, block_size: int) -> int:
     """Device bytes of one block's int8 key copy (rerank_source=int8): codes [L, Hkv, B, d]
     and a float32 scale per layer and KV head. Charged with the block's summary."""
     return mc.num_layers * mc.num_kv_heads * (block_size * mc.head_dim + 4)
+
+
+def dense_layer_bytes(mc: ModelConfig, dense_layers: int, block_size: int,
+                      dtype: torch.dtype) -> int:
+    """Device bytes of one block's K and V in the first `dense_layers` layers (dense_layers):
+    [N, 2, Hkv, B, d] in the KV dtype. Charged with the block's summary."""
+    return dense_layers * 2 * mc.num_kv_heads * block_size * mc.head_dim * dtype.itemsize
 
 
 def split_dense(budget: int, block_bytes: int) -> DeviceSplit:
@@ -67,8 +78,10 @@ def split_sparse(budget: int, block_bytes: int, summary_size: int, slab_blocks: 
 
 def device_tensors(engine) -> list[torch.Tensor]:
     """The device tensors the budget pays for: the KV block pool and, sparse, kmin and kmax
-    (and the int8 key copy: codes and scales)."""
+    (and the int8 key copy: codes and scales; the dense layers' K/V)."""
     tensors = [engine.runner.device_kv]
+    if engine.runner.dense_kv is not None:
+        tensors.append(engine.runner.dense_kv)
     if engine.sparse is not None:
         tensors += [engine.sparse.kmin, engine.sparse.kmax]
         if engine.sparse.key_codes is not None:
@@ -98,4 +111,10 @@ def device_memory(engine) -> dict:
             out.update(key_copy_bytes_per_block=sum(t[:, 0].numel() * t.element_size()
                                                     for t in copy),
                        key_copy_bytes=sum(t.numel() * t.element_size() for t in copy))
+        dense = engine.runner.dense_kv  # [N, 2, Hkv, ids * B, d], part of it too
+        if dense is not None:
+            per_block = dense[:, :, :, :kv.device.block_size].numel() * dense.element_size()
+            out.update(dense_layers=dense.shape[0], dense_layer_bytes_per_block=per_block,
+                       dense_layer_bytes=dense.numel() * dense.element_size(),
+                       dense_layer_bytes_used=ids.num_used * per_block)
     return out

@@ -59,17 +59,19 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q [N, H, d], k/v [N, Hkv, d] -> [N, H*d]
-        ctx = get_context()
+        step = get_context()
+        ctx = step.for_layer(self.layer_idx)  # dense_layers: the first layers' own view
+        sparse_layer = self.layer_idx - step.dense_layers  # the sparse KV's count of layers
         if ctx.sparse is not None:  # this layer's prefetch and fills land before our writes
-            ctx.sparse.wait_layer(self.layer_idx)
+            ctx.sparse.wait_layer(sparse_layer)
         for w in ctx.writes:
             k_cache, v_cache = self.pools[w.pool]
             k_cache.index_copy_(1, w.slots, k[w.rows].transpose(0, 1))
             v_cache.index_copy_(1, w.slots, v[w.rows].transpose(0, 1))
         if ctx.sparse is not None:
-            ctx.sparse.prepare_layer(self.layer_idx, q)
-        if ctx.draft_kv is not None:
-            ctx.draft_kv[self.layer_idx] = (k, v)
+            ctx.sparse.prepare_layer(sparse_layer, q)
+        if step.draft_kv is not None:
+            step.draft_kv[self.layer_idx] = (k, v)
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype,
                           device=q.device)
         if ctx.slab_groups is None:  # the same in every layer of the step: grouped once
@@ -87,7 +89,7 @@ class Attention(nn.Module):
             else:
                 out[rows] = self._attend(q[rows], seq, k[rows], v[rows])
         if ctx.sparse is not None:
-            ctx.sparse.after_attention(self.layer_idx, q)
+            ctx.sparse.after_attention(sparse_layer, q)
         return out
 
     def _kv_parts(self, seq: SeqAttention, k_new: torch.Tensor,
