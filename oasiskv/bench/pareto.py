@@ -131,14 +131,15 @@ def accuracy_figures(setting: str, rows: list[dict], results: dict[str, dict]) -
     return out
 
 
-def throughput_cells(args, settings, base, prompts, files, levels, host_budget, save) -> list:
-    """Every configuration at every level, in --repeats rounds; a cell is its median-TPS run."""
+def throughput_cells(args, settings, base, prompts, files, levels, host_budget, cells: list,
+                     save) -> None:
+    """Every configuration at every level, in --repeats rounds, into `cells`: a cell is its
+    median-TPS run; save() once a level's cells are done."""
     runs = [(s.name, {**base, **s.engine_kwargs()}
              | ({} if s.kv_mode == "dense" or "host_kv_budget" in dict(s.options)
                 else {"host_kv_budget": host_budget})) for s in settings]
     for _, kw in runs:  # bad settings fail now, not after the prefill
         EngineConfig.from_kwargs(**kw)
-    cells = []
     bar = tqdm(total=len(levels) * len(runs) * args.repeats, desc="throughput", unit="run",
                dynamic_ncols=True)
     for c, label in levels.items():
@@ -160,7 +161,6 @@ def throughput_cells(args, settings, base, prompts, files, levels, host_budget, 
             cells.append({k: v for k, v in r.items() if k != "tokens"})
         save()  # a later crash keeps this level's cells
     bar.close()
-    return cells
 
 
 def run_pareto_bench(args: argparse.Namespace) -> list[dict]:
@@ -214,8 +214,8 @@ def run_pareto_bench(args: argparse.Namespace) -> list[dict]:
                                                  args.seed)
         files, result["prefill_s"] = prefix_kv_files(first, prompts, cache_dir,
                                                      f"prefill {args.context}")
-        result["throughput"] = throughput_cells(args, settings, base, prompts, files, level_of,
-                                                host_budget, save)
+        throughput_cells(args, settings, base, prompts, files, level_of, host_budget,
+                         result["throughput"], save)
     results: dict[str, dict] = {}
     counts = {"passkey": args.samples, "needle": args.samples, "ppl": args.ppl_samples}
     bar = tqdm(total=sum(counts.values()), desc="accuracy", unit="prompt", dynamic_ncols=True)

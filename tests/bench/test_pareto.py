@@ -23,7 +23,7 @@ FULL, SMALL = "sparse K=64 lookahead", "sparse K=2 lookahead"
 ARGS = ["bench", "pareto", "--context", "720", "--output-len", "8", "--device-kv-budget",
         "760KiB", "--dtype", "float32", "--sparse", "top_k=2", "--sparse", "top_k=64",
         "--samples", "3", "--ppl-samples", "2", "--ppl-tokens", "16", "--repeats", "2",
-        "--num-threads", "1"]
+        "--num-threads", "1", "--concurrency", "dense-max,3,2x"]
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +37,13 @@ def test_one_run_of_dense_and_two_sparse_configurations(model, tmp_path, capsys)
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["complete"] and data["dense_capacity"] == 2
-    assert data["levels"] == {"2": "dense-max", "4": "2x"}
+    assert data["levels"] == {"2": "dense-max", "3": "", "4": "2x"}
     assert data["settings"] == ["dense", SMALL, FULL]
     rows = {(r["setting"], r["concurrency"]): r for r in data["rows"]}
-    assert set(rows) == {(s, c) for s in data["settings"] for c in (2, 4)}  # every cell
+    assert set(rows) == {(s, c) for s in data["settings"] for c in (2, 3, 4)}  # every cell
     assert {(r["task"], r["setting"]) for r in data["accuracy"]} == {
         (t, s) for t in ("passkey", "needle", "ppl") for s in data["settings"]}
-    for c in (2, 4):
+    for c in (2, 3, 4):
         dense, small, full = rows[("dense", c)], rows[(SMALL, c)], rows[(FULL, c)]
         assert full["agreement"] == 1.0 and small["agreement"] < 1.0
         assert full["ppl_ratio"] == pytest.approx(1.0, abs=1e-4) and full["ppl_agreement"] == 1
@@ -62,6 +62,8 @@ def test_one_run_of_dense_and_two_sparse_configurations(model, tmp_path, capsys)
         assert dense["device_bytes_per_request"] == 46 * 8192
         assert small["device_bytes_per_request"] == 4 * 8192 + 46 * 256
     assert rows[("dense", 4)]["running_max"] == 2 and rows[(SMALL, 4)]["running_max"] == 4
+    assert rows[("dense", 3)]["running"] < 2  # the third request waited: bytes per request
+    # are per request held at once, not per mean batch
     answers = data["per_sample"]
     for task in ("passkey", "needle"):  # the same answers, not only the same scores
         assert [r["output"] for r in answers[task][FULL]] == [
@@ -96,6 +98,26 @@ def test_a_crash_keeps_the_cells_done(model, tmp_path, monkeypatch):
     assert {(r["setting"], r["concurrency"]) for r in data["throughput"]} == {
         (s, c) for s in ("dense", SMALL) for c in (2, 4)}
     assert {r["task"] for r in data["accuracy"]} == {"passkey"}
+
+
+def test_a_crash_in_the_throughput_runs_keeps_the_levels_done(model, tmp_path, monkeypatch):
+    out = tmp_path / "p.json"
+    real = pareto.run_mode
+
+    def crash_at_four(kw, prompts, *a):
+        if len(prompts) == 4:
+            raise RuntimeError("killed")
+        return real(kw, prompts, *a)
+
+    monkeypatch.setattr(pareto, "run_mode", crash_at_four)
+    with pytest.raises(RuntimeError, match="killed"):
+        main(["bench", "pareto", "--model", str(model), "--context", "720", "--output-len",
+              "4", "--device-kv-budget", "760KiB", "--dtype", "float32", "--sparse", "top_k=2",
+              "--repeats", "1", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["complete"] is False and data["accuracy"] == []
+    assert [(r["setting"], r["concurrency"]) for r in data["throughput"]] == [
+        ("dense", 2), (SMALL, 2)]
 
 
 @pytest.mark.parametrize("spec, message", [
