@@ -19,6 +19,7 @@ import json
 import platform
 import re
 import shlex
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ from oasiskv.bench.throughput import (
     run_mode,
 )
 from oasiskv.config import EngineConfig, SpecConfig
-from oasiskv.eval.fidelity import make_samples, run_samples, summarize
+from oasiskv.eval.fidelity import make_samples, run_samples, setting_engines, summarize
 from oasiskv.eval.metrics import paired_bootstrap_ci
 
 MULTIPLE = re.compile(r"(\d+(?:\.\d+)?)x")  # a --concurrency level: a multiple of dense-max
@@ -158,6 +159,9 @@ def throughput_cells(args, settings, base, prompts, files, levels, host_budget, 
             if name != "dense":
                 r["tps_ratio"] = r["tps"] / dense["tps"]
                 r["agreement"] = agreement(r["tokens"], dense["tokens"])
+            if r["failed"]:  # their tokens are missing from TPS and agreement
+                print(f"warning: x{c} {name}: {r['failed']} request(s) failed",
+                      file=sys.stderr)
             cells.append({k: v for k, v in r.items() if k != "tokens"})
         save()  # a later crash keeps this level's cells
     bar.close()
@@ -171,8 +175,6 @@ def run_pareto_bench(args: argparse.Namespace) -> list[dict]:
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, "
                              f"got {getattr(args, flag)}")
-    from oasiskv.eval.fidelity import setting_engines
-
     budget = {"device_kv_budget": args.device_kv_budget}
     eval_args = SimpleNamespace(model=args.model, dtype=args.dtype, drafter=SpecConfig.drafter,
                                 num_threads=args.num_threads)
