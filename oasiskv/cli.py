@@ -10,25 +10,11 @@ import logging
 import sys
 from pathlib import Path
 
-from oasiskv.cli_input import Parser, read_prompt
+from oasiskv.bench.pareto import add_parser as add_pareto_parser
+from oasiskv.cli_input import Parser, flag_type, read_prompt
 from oasiskv.config import CacheConfig, EngineConfig
 from oasiskv.disagg.handoff import TRANSFERS
 from oasiskv.spec.train import TrainSpec
-
-
-def _flag_type(annotation: str | type) -> type:
-    # Fields are annotated like "int | None" (postponed annotations).
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
-    names = [n.strip() for n in text.split("|")]
-    if "str" in names:  # e.g. `int | str` sizes like 512MiB: the dataclass parses the text
-        return str
-    return {"int": int, "float": float, "bool": _bool}.get(names[0], str)
-
-
-def _bool(text: str) -> bool:
-    if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-        raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-    return text.lower() in ("1", "true", "yes", "on")
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +24,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for _, f in EngineConfig.flat_fields():
         default = None if f.default is dataclasses.MISSING else f.default
         group.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
-                           type=_flag_type(f.type), default=argparse.SUPPRESS,
+                           type=flag_type(f.type), default=argparse.SUPPRESS,
                            help=f"{f.metadata.get('help', '')} (default: {default})")
 
 
@@ -418,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--json", help="write the figures to this file")
     thr.add_argument("--plot", help="write TPS and running batch vs concurrency (PNG)")
     thr.set_defaults(func=_cmd_bench_throughput)
+    add_pareto_parser(bench)
 
     pd = bench.add_parser("pd", help="prefill-decode disaggregation: partial, slab and full "
                           "transfer, per decode-host residency f_host")

@@ -320,6 +320,12 @@ ROWS = [
     Row("prompt file a directory (cli pd)", ["pd", "--prompt-file", "{f[no_config]}"],
         r"--prompt-file \S+no_config: cannot read it \(Is a directory\)"),
     Row("no prompt (cli)", ["generate", "--model", "{model}"], r"give --prompt TEXT"),
+    Row("bench pareto --sparse unknown key (cli)",
+        ["bench", "pareto", "--model", "{model}", "--sparse", "top_k=64,no_such=1"],
+        r"--sparse 'top_k=64,no_such=1': unknown key 'no_such'; the keys are CacheConfig "),
+    Row("bench pareto --sparse value that does not parse (cli)",
+        ["bench", "pareto", "--model", "{model}", "--sparse", "f_hbm=0.1,top_k=many"],
+        r"top_k: expected an integer, got 'many'"),
 ]
 
 

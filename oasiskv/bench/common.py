@@ -71,14 +71,14 @@ def unique_prompts(tokenizer, count: int, length: int,
 
 
 def prefix_kv_files(engine, prompts: list[list[int]], cache_dir: Path,
-                    desc: str = "prefill") -> tuple[list[Path], float]:
+                    desc: str = "prefill", progress: bool = True) -> tuple[list[Path], float]:
     """Each prompt's K/V (all but its last token, `engine.compute_prefix_kv`) as a safetensors
     file under cache_dir, keyed by model, dtype and tokens: computed once, reused by later
     runs. Returns the files and the seconds spent computing the missing ones."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     model = str(resolve_model(engine.config.model).resolve())
     files, seconds = [], 0.0
-    for p in tqdm(prompts, desc=desc, unit="prompt"):
+    for p in tqdm(prompts, desc=desc, unit="prompt", disable=not progress):
         key = hashlib.sha256(f"{model}|{engine.config.dtype}|".encode()
                              + torch.tensor(p[:-1]).numpy().tobytes()).hexdigest()[:32]
         path = cache_dir / f"{key}.safetensors"

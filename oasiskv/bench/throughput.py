@@ -20,12 +20,14 @@ at this machine's measured read bandwidth.
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load
 
@@ -79,6 +81,18 @@ def parse_levels(text: str) -> list[int | str]:
     return [x if x == DENSE_MAX else int(x) for x in levels]
 
 
+def resolve_levels(levels: list[int | str], capacity: int) -> list[int]:
+    """One context's levels, dense-max resolved to `capacity`, ascending, without repeats."""
+    return sorted({capacity if x == DENSE_MAX else x for x in levels})
+
+
+def auto_host_budget(requests: int, context: int, output_len: int, block: int,
+                     kv_per_token: int) -> int:
+    """Sparse host tier bytes for `requests` whole histories, with a tenth to spare."""
+    return int(1.1 * requests * (-(-(context + output_len) // block) + 1) * block
+               * kv_per_token)
+
+
 def run_mode(kwargs: dict, prompts: list[list[int]], kv_files: list[Path],
              output_len: int) -> dict:
     engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
@@ -91,14 +105,21 @@ def run_mode(kwargs: dict, prompts: list[list[int]], kv_files: list[Path],
            for p, kv in zip(prompts, prefixes, strict=True)]
     seqs = [engine.requests[i] for i in ids]
     start = len(engine.step_log)
+    token_times: list[list[float]] = [[] for _ in seqs]  # when each output token came out
     while engine.has_unfinished():
         engine.step()
+        now = time.perf_counter()
+        for times, s in zip(token_times, seqs, strict=True):
+            times += [now] * (s.num_output_tokens - len(times))
     wall = time.perf_counter() - t0
     log = list(engine.step_log)[start:]
     decode_steps = [e for e in log if e["decode_tokens"]]
     stats = engine.stats()
+    p50, p99 = token_gap_percentiles(token_times)
     out = {"tps": sum(s.num_output_tokens for s in seqs) / wall, "wall_s": wall,
            "tpot_ms": 1e3 * sum(s.metrics.tpot or 0 for s in seqs) / len(seqs),
+           "tpot_p50_ms": p50, "tpot_p99_ms": p99,
+           "running_max": max((e["decode_tokens"] for e in decode_steps), default=0),
            "ttft_s": sum(s.metrics.ttft or 0 for s in seqs) / len(seqs),
            "running": sum(e["decode_tokens"] for e in decode_steps) / max(len(decode_steps), 1),
            "step_ms": 1e3 * sum(e["time_s"] for e in decode_steps) / max(len(decode_steps), 1),
@@ -116,6 +137,16 @@ def run_mode(kwargs: dict, prompts: list[list[int]], kv_files: list[Path],
                    fetch_cap=engine.sparse.fetch_cap)
     engine.close()
     return out
+
+
+def token_gap_percentiles(token_times: list[list[float]]) -> tuple[float | None, float | None]:
+    """p50 and p99 (ms) of the times between consecutive output tokens of each request, all
+    requests together: the per-token TPOT distribution (the first token's wait is TTFT's)."""
+    gaps = [b - a for times in token_times for a, b in itertools.pairwise(times)]
+    if not gaps:  # one token per request: no gaps
+        return None, None
+    p50, p99 = np.percentile(gaps, [50, 99])
+    return 1e3 * float(p50), 1e3 * float(p99)
 
 
 def median_run(tries: list[dict]) -> dict:
@@ -220,15 +251,12 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
         context = min(capacity, key=capacity.get)
         raise ValueError(f"--device-kv-budget {args.device_kv_budget} holds no dense request of "
                          f"{context} + {args.output_len} tokens, so {DENSE_MAX} is 0")
-    # each context's levels, dense-max resolved, ascending and without repeats
-    context_levels = {c: sorted({capacity[c] if x == DENSE_MAX else x for x in levels})
-                      for c in contexts}
+    context_levels = {c: resolve_levels(levels, capacity[c]) for c in contexts}
     base["max_num_seqs"] = max(max(v) for v in context_levels.values())
-    if host_budget == "auto":  # the largest level's histories, with a tenth to spare
-        block = prefill.config.cache.block_size
-        host_budget = int(1.1 * max(
-            max(context_levels[c]) * (-(-(c + args.output_len) // block) + 1) for c in contexts)
-            * block * kv_per_token)
+    if host_budget == "auto":
+        host_budget = max(auto_host_budget(max(context_levels[c]), c, args.output_len,
+                                           prefill.config.cache.block_size, kv_per_token)
+                          for c in contexts)
     if args.num_threads:
         base["num_threads"] = args.num_threads
     runs = [("dense", {"kv_mode": "dense"})] if "dense" in modes else []

@@ -66,6 +66,8 @@ class Setting:
     summary_dtype: str = "auto"
     score_aggregation: str = DEFAULT_AGGREGATION
     rerank_source: str = "host"
+    # any other CacheConfig fields, (name, value) pairs; named `name=value` where not default
+    options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def name(self) -> str:
@@ -81,8 +83,10 @@ class Setting:
                    else f" {self.score_aggregation}")
         guessed = " guessed drafts" if self.forced_drafts == "guessed" else ""
         summaries = "" if self.summary_dtype == "auto" else f" {self.summary_dtype} summaries"
+        options = "".join(f" {k}={v}" for k, v in self.options
+                          if v != getattr(CacheConfig, k, None))
         return (f"sparse K={self.top_k}{block} {self.predictor}{scoring}{rerank}{guessed}{pins}"
-                f"{cap}{summaries}")
+                f"{cap}{summaries}{options}")
 
     def engine_kwargs(self) -> dict:
         if self.kv_mode == "dense":
@@ -91,7 +95,8 @@ class Setting:
                 "sink_blocks": self.sink_blocks, "recent_blocks": self.recent_blocks,
                 "f_hbm": self.f_hbm, "block_size": self.block_size, "rerank": self.rerank,
                 "forced_drafts": self.forced_drafts, "summary_dtype": self.summary_dtype,
-                "score_aggregation": self.score_aggregation, "rerank_source": self.rerank_source}
+                "score_aggregation": self.score_aggregation, "rerank_source": self.rerank_source,
+                **dict(self.options)}
 
 
 def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
@@ -211,17 +216,20 @@ def judge(sample: Sample, outs: list) -> dict:
 
 def run_samples(engine_for: Callable[[str], Any], names: list[str], samples: list,
                 group: int, agree_tokens: int, bar=None, request_fn=None,
-                judge_fn=None) -> dict[str, list[dict]]:
+                judge_fn=None, prefix_fn=None) -> dict[str, list[dict]]:
     """Every sample in every setting (`engine_for(name)`: the setting's engine); each prompt is
     prefilled once, by the first setting's engine. `request_fn(sample, kv, agree_tokens)` and
     `judge_fn(sample, outs)` (default: :func:`requests_for`, :func:`judge`) say what a sample
-    asks and how its outputs score."""
+    asks and how its outputs score; `prefix_fn(engine, chunk)`, the chunk's prompt K/V (default:
+    computed by that engine; a caller may keep them on disk)."""
     request_fn, judge_fn = request_fn or requests_for, judge_fn or judge
+    prefix_fn = prefix_fn or (lambda engine, chunk: [engine.compute_prefix_kv(s.ids[:-1])
+                                                     for s in chunk])
     results: dict[str, list[dict]] = {name: [] for name in names}
     prefill_engine = engine_for(names[0])
     for start in range(0, len(samples), group):
         chunk = samples[start:start + group]
-        kvs = [prefill_engine.compute_prefix_kv(s.ids[:-1]) for s in chunk]
+        kvs = prefix_fn(prefill_engine, chunk)
         for name in names:
             engine = engine_for(name)
             requests = [request_fn(s, kv, agree_tokens) for s, kv in zip(chunk, kvs,
@@ -300,14 +308,14 @@ def settings_from_args(args: argparse.Namespace) -> list[Setting]:
                          parse_list(args.rerank_source, str))
 
 
-def setting_engines(args: argparse.Namespace,
-                    settings: list[Setting]) -> tuple[list[str], Callable[[str], Any]]:
+def setting_engines(args: argparse.Namespace, settings: list[Setting],
+                    extra: dict | None = None) -> tuple[list[str], Callable[[str], Any]]:
     """(setting names, engine_for(name)): the first setting's engine, built here, and the
-    others' on its weights."""
+    others' on its weights. `extra`: engine options every setting shares (a device budget)."""
     from oasiskv.config import EngineConfig
     from oasiskv.engine.engine import LLMEngine
 
-    base = {"model": args.model, "dtype": args.dtype, "drafter": args.drafter}
+    base = {"model": args.model, "dtype": args.dtype, "drafter": args.drafter, **(extra or {})}
     if args.num_threads:
         base["num_threads"] = args.num_threads
     configs = {s.name: EngineConfig.from_kwargs(**base, **s.engine_kwargs()) for s in settings}
