@@ -266,6 +266,8 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rerank-source", default="host",
                    help="sparse, with --rerank: where the re-ranking reads keys (values to "
                    "compare: host, int8)")
+    p.add_argument("--dense-layers", default="0",
+                   help="sparse: first layers kept dense (values to compare, e.g. 0,1,2)")
     p.add_argument("--sink-blocks", default="0",
                    help="sparse: first blocks always kept (values to compare, e.g. 0,4)")
     p.add_argument("--recent-blocks", default="0",

@@ -24,6 +24,7 @@ perplexity and its ratio to dense, greedy agreement. JSON (--out) holds every sa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import random
@@ -108,7 +109,8 @@ def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
                   forced_drafts: tuple[str, ...] = ("known",),
                   summary_dtypes: tuple[str, ...] = ("auto",),
                   aggregations: tuple[str, ...] = (DEFAULT_AGGREGATION,),
-                  rerank_sources: tuple[str, ...] = ("host",)) -> list[Setting]:
+                  rerank_sources: tuple[str, ...] = ("host",),
+                  dense_layers: tuple[int, ...] = (0,)) -> list[Setting]:
     """dense, then every sparse combination. With token budgets, K = budget / B for each block
     size B instead of top_ks: finer blocks at the same resident tokens. Only lookahead drafts,
     so the other predictors take one forced_drafts value; only a rerank reads keys, so
@@ -125,13 +127,15 @@ def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
                              f"{uneven[0]} tokens")
     out = [Setting("dense")] if "dense" in kv_modes else []
     if "sparse" in kv_modes:
-        out += [Setting("sparse", p, k, s, r, f, b, c, d, u, a, src) for b in block_sizes
-                for k in ([t // b for t in token_budgets] or top_ks)
-                for s in sinks for r in recents for f in f_hbms for p in predictors
-                for a in aggregations
-                for c in reranks for src in (rerank_sources if c else ("host",))
-                for d in (forced_drafts if p == "lookahead" else forced_drafts[:1])
-                for u in summary_dtypes]
+        sparse = [Setting("sparse", p, k, s, r, f, b, c, d, u, a, src) for b in block_sizes
+                  for k in ([t // b for t in token_budgets] or top_ks)
+                  for s in sinks for r in recents for f in f_hbms for p in predictors
+                  for a in aggregations
+                  for c in reranks for src in (rerank_sources if c else ("host",))
+                  for d in (forced_drafts if p == "lookahead" else forced_drafts[:1])
+                  for u in summary_dtypes]
+        out += [dataclasses.replace(x, options=(("dense_layers", n),) if n else ())
+                for x in sparse for n in dense_layers]
     return out
 
 
@@ -216,12 +220,15 @@ def judge(sample: Sample, outs: list) -> dict:
 
 def run_samples(engine_for: Callable[[str], Any], names: list[str], samples: list,
                 group: int, agree_tokens: int, bar=None, request_fn=None,
-                judge_fn=None, prefix_fn=None) -> dict[str, list[dict]]:
+                judge_fn=None, prefix_fn=None,
+                on_group: Callable[[dict[str, list[dict]]], None] | None = None,
+                ) -> dict[str, list[dict]]:
     """Every sample in every setting (`engine_for(name)`: the setting's engine); each prompt is
     prefilled once, by the first setting's engine. `request_fn(sample, kv, agree_tokens)` and
     `judge_fn(sample, outs)` (default: :func:`requests_for`, :func:`judge`) say what a sample
     asks and how its outputs score; `prefix_fn(engine, chunk)`, the chunk's prompt K/V (default:
-    computed by that engine; a caller may keep them on disk)."""
+    computed by that engine; a caller may keep them on disk). `on_group(results)` after each
+    group: the samples done so far, in order (a long run saves them as it goes)."""
     request_fn, judge_fn = request_fn or requests_for, judge_fn or judge
     prefix_fn = prefix_fn or (lambda engine, chunk: [engine.compute_prefix_kv(s.ids[:-1])
                                                      for s in chunk])
@@ -244,6 +251,8 @@ def run_samples(engine_for: Callable[[str], Any], names: list[str], samples: lis
             del engine
         if bar is not None:
             bar.update(len(chunk))
+        if on_group is not None:
+            on_group(results)
         del kvs
     return results
 
@@ -305,7 +314,8 @@ def settings_from_args(args: argparse.Namespace) -> list[Setting]:
                          parse_list(getattr(args, "forced_drafts", "known"), str),
                          parse_list(args.summary_dtype, str),
                          parse_list(args.score_aggregation, str),
-                         parse_list(args.rerank_source, str))
+                         parse_list(args.rerank_source, str),
+                         parse_list(args.dense_layers))
 
 
 def setting_engines(args: argparse.Namespace, settings: list[Setting],
@@ -345,14 +355,15 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
                                 for t in tasks)
     bar = tqdm(total=total, desc="eval", unit="prompt", dynamic_ncols=True)
 
-    def save(elapsed: float, complete: bool) -> None:
+    def save(elapsed: float, complete: bool, partial_rows: list | None = None) -> None:
         write_json(args.out, {"eval": "fidelity", "model": args.model, "tasks": tasks,
                               "contexts": contexts, "settings": [s.name for s in settings],
                               "samples": args.samples, "seed": args.seed,
                               "drafter": args.drafter, "ppl_tokens": args.ppl_tokens,
                               "agree_tokens": args.agree_tokens,
                               "threads": torch.get_num_threads(), "time_s": elapsed,
-                              "complete": complete, "rows": rows, "per_sample": per_sample})
+                              "complete": complete, "rows": rows, "per_sample": per_sample}
+                   | ({"partial_rows": partial_rows} if partial_rows else {}))
 
     for context in contexts:
         for task in tasks:
@@ -360,8 +371,15 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
             count = (args.ppl_samples or args.samples) if task == "ppl" else args.samples
             samples = make_samples(task, tokenizer, context, count, args.seed,
                                    not args.no_chat, args.ppl_tokens)
+            def partial(results: dict, task: str = task, samples: list = samples,
+                        context: int = context) -> None:
+                done = samples[:len(next(iter(results.values())))]
+                save(time.perf_counter() - t0, complete=False,
+                     partial_rows=[{"context": context, **r}
+                                   for r in summarize(task, done, results)])
+
             results = run_samples(engine_for, names, samples, args.group, args.agree_tokens,
-                                  bar)
+                                  bar, on_group=partial)
             for row in summarize(task, samples, results):
                 rows.append({"context": context, **row})
             per_sample.append({"context": context, "task": task,

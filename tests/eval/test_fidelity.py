@@ -117,6 +117,10 @@ def test_scoring_options_are_their_own_columns():
     assert [(s.engine_kwargs()["score_aggregation"], s.engine_kwargs()["rerank_source"])
             for s in settings[3:]] == [("softmax-sum", "host"), ("softmax-sum", "host"),
                                        ("softmax-sum", "int8")]
+    layers = settings_from(["dense", "sparse"], ["lookahead"], [128], dense_layers=[0, 2])
+    assert [s.name for s in layers] == ["dense", "sparse K=128 lookahead",
+                                        "sparse K=128 lookahead dense_layers=2"]
+    assert [s.engine_kwargs().get("dense_layers", 0) for s in layers[1:]] == [0, 2]
     only_int8 = settings_from(["sparse"], ["lookahead"], [128], reranks=[0.0, 2.0],
                               rerank_sources=["int8"])
     assert [s.name for s in only_int8] == ["sparse K=128 lookahead",
@@ -177,3 +181,17 @@ def test_block_sizes_are_their_own_columns_and_take_the_dense_prefill(model, tmp
     assert rows["sparse K=64 B=8 exact"]["ppl_ratio"] == pytest.approx(1.0, abs=1e-4)
     assert rows["sparse K=64 B=8 exact"]["agreement"] == 1.0
     assert rows["sparse K=4 B=8 exact"]["ppl_ratio"] != pytest.approx(1.0, abs=1e-6)
+
+
+def test_a_long_run_saves_each_group_as_it_goes(model, tmp_path, monkeypatch):
+    # every group of prompts lands in the JSON before the task ends (a crash keeps them)
+    import oasiskv.eval.fidelity as fidelity
+
+    saved = []
+    monkeypatch.setattr(fidelity, "write_json", lambda path, data: saved.append(data))
+    assert main(["eval", "passkey", "--model", str(model), "--context", "300", "--top-k", "4",
+                 "--predictor", "exact", "--samples", "3", "--group", "1",
+                 "--out", str(tmp_path / "f.json")]) == 0
+    partial = [[r["samples"] for r in d["partial_rows"]] for d in saved if "partial_rows" in d]
+    assert partial == [[1, 1], [2, 2], [3, 3]]  # dense and sparse, after each prompt
+    assert saved[-1]["complete"] and [r["samples"] for r in saved[-1]["rows"]] == [3, 3]
