@@ -1,0 +1,119 @@
+"""Under load and at the edges of a request's life: 32 concurrent streams (continuous batching
+over HTTP, none lost, each its offline greedy text), a client that leaves mid-stream (its
+blocks freed, seen on /metrics), /metrics parsed by prometheus-client and moving, and the sparse
+engine served."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from oasiskv import LLM, SamplingParams
+
+pytest_plugins = ["live"]
+
+GREEDY = dict(temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
+SPARSE = dict(kv_mode="sparse", top_k=3, host_kv_budget="1MiB")
+
+
+def test_32_concurrent_streams_each_equal_its_offline_greedy_run(live, ref):
+    prompts = [f"{w} number {i}" for i, w in enumerate(["The quick", "It is a", "Numbers"] * 11)]
+    prompts = prompts[:32]
+    want = ref.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)
+    before = live.metrics()
+
+    async def one(client, prompt):
+        text, reasons = "", []
+        stream = await client.completions.create(model=live.state.model_name, prompt=prompt,
+                                                 stream=True, **GREEDY)
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            reasons.append(chunk.choices[0].finish_reason)
+        return text, reasons[-1]
+
+    async def all_of_them():
+        client = live.async_client()
+        return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    got = asyncio.run(all_of_them())
+    assert [g[0] for g in got] == [w.text for w in want]
+    assert all(g[1] == "length" for g in got)
+    after = live.wait_idle()
+    key = "oasiskv:request_finished_total{finished_reason=length}"
+    assert after[key] - before.get(key, 0) == 32
+    # max_num_seqs=8: the 32 requests waited their turn and joined the batch between steps
+    assert after["oasiskv:time_to_first_token_seconds_count"] - \
+        before["oasiskv:time_to_first_token_seconds_count"] == 32
+
+
+def test_metrics_parse_and_move_as_a_request_runs(live, ref):
+    prompt = "It is a truth universally"
+    n_prompt = len(ref.tokenizer.encode(prompt))
+    before = live.metrics()
+    r = live.client().completions.create(model=live.state.model_name, prompt=prompt,
+                                         max_tokens=7, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 7
+    after = live.wait_idle()
+
+    def moved(name):
+        return after[name] - before.get(name, 0)
+
+    assert moved("oasiskv:prompt_tokens_total") == n_prompt
+    assert moved("oasiskv:generation_tokens_total") == 7
+    assert moved("oasiskv:time_to_first_token_seconds_count") == 1
+    assert moved("oasiskv:inter_token_latency_seconds_count") == 6  # between 7 tokens
+    assert moved("oasiskv:time_per_output_token_seconds_count") == 1
+    assert moved("oasiskv:e2e_request_latency_seconds_count") == 1
+    assert moved("oasiskv:request_finished_total{finished_reason=length}") == 1
+    assert moved("oasiskv:e2e_request_latency_seconds_sum") >= \
+        moved("oasiskv:time_to_first_token_seconds_sum") > 0
+    assert after["oasiskv:kv_device_bytes_budget"] == 2**20
+    assert after["oasiskv:kv_device_bytes_used"] == 0
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(start_server, mode):
+    with start_server(**(SPARSE if mode == "sparse" else {})) as live:
+        live.slow_steps(0.02)
+        body = {"model": live.state.model_name, "prompt": "The quick brown fox " * 4,
+                "max_tokens": 300, "stream": True, "ignore_eos": True}
+        with live.http() as h, h.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            next(lines)
+            busy = live.metrics()
+            assert busy["oasiskv:num_requests_running"] == 1
+            assert busy["oasiskv:kv_device_bytes_used"] > 0
+            if mode == "sparse":
+                assert busy["oasiskv:kv_host_bytes_used"] > 0
+        # the client is gone: the request leaves the batch at the next step, blocks freed
+        m = live.wait_idle()
+        assert m["oasiskv:request_finished_total{finished_reason=abort}"] == 1
+        assert m["oasiskv:kv_device_bytes_used"] == 0
+        assert m["oasiskv:kv_host_bytes_used"] == 0
+        assert m["oasiskv:generation_tokens_total"] < 300
+        live.llm.engine.check_invariants()  # nothing leaked in the pools
+        live.llm.engine.step_hooks.clear()
+        r = live.client().completions.create(model=live.state.model_name, prompt="hi",
+                                             max_tokens=3)  # and it serves on
+        assert r.usage.completion_tokens <= 3
+
+
+def test_sparse_engine_served_equals_offline_sparse(start_server, tiny_llama):
+    ref = LLM(str(tiny_llama), num_threads=1, device_kv_budget="1MiB", max_num_seqs=8, **SPARSE)
+    prompt = "Elizabeth and Darcy walked " * 12  # more blocks than top_k: a working set
+    want = ref.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)[0]
+    ref.close()
+    with start_server(**SPARSE) as live:
+        r = live.client().completions.create(model=live.state.model_name, prompt=prompt,
+                                             stream=False, **GREEDY)
+        assert r.choices[0].text == want.text
+        m = live.wait_idle()
+        assert m["oasiskv:sparse_blocks_predicted_total"] > 0
+        assert m["oasiskv:sparse_h2d_bytes_total"] > 0
+        assert 0 <= m["oasiskv:sparse_hit_rate"] <= 1
+        assert m["oasiskv:sparse_block_hits_total"] <= m["oasiskv:sparse_blocks_predicted_total"]
+        assert m["oasiskv:kv_host_bytes_budget"] == 2**20
