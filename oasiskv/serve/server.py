@@ -7,6 +7,7 @@ app's lifespan stops the engine loop; the process exits 0."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import signal
@@ -111,19 +112,20 @@ def run(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout, sse_keepalive=args.sse_keepalive)
     sock = bind(options.host, options.port)  # before the model loads: a taken port fails fast
-    llm = LLM(**engine_kwargs(args))
-    try:
-        server, state = make_server(llm, options)
-        host, port = sock.getsockname()[:2]
-        print(f"oasiskv serve: {state.model_name} on http://{host}:{port}/v1", file=sys.stderr,
-              flush=True)
-        # uvicorn handles SIGTERM/SIGINT itself and, once shut down, raises the signal again
-        # for the handler that was there before it: that one must not kill the process.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _after_shutdown)
-        server.run(sockets=[sock])
-    finally:
-        llm.close()
+    with contextlib.closing(sock):
+        llm = LLM(**engine_kwargs(args))
+        try:
+            server, state = make_server(llm, options)
+            host, port = sock.getsockname()[:2]
+            print(f"oasiskv serve: {state.model_name} on http://{host}:{port}/v1",
+                  file=sys.stderr, flush=True)
+            # uvicorn handles SIGTERM/SIGINT itself and, once shut down, raises the signal
+            # again for the handler that was there before it: that one must not kill us.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, _after_shutdown)
+            server.run(sockets=[sock])
+        finally:
+            llm.close()
     return 0
 
 
