@@ -55,8 +55,8 @@ class Piece:
 class Choices:
     """A request's choices (one per prompt) as their outputs arrive."""
 
-    def __init__(self, tokenizer, seqs: list[Sequence]) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, seqs: list[Sequence], eos_token_ids: set[int]) -> None:
+        self.tokenizer, self.seqs, self.eos = tokenizer, seqs, eos_token_ids
         self.index = {s.request_id: i for i, s in enumerate(seqs)}
         self.texts = [TextStream(tokenizer, s.params) for s in seqs]
         self.fed = [0] * len(seqs)  # tokens decoded into texts[i]
@@ -80,12 +80,19 @@ class Choices:
         return Piece(i, text, out.token_ids[lo:hi],
                      None if out.logprobs is None else out.logprobs[lo:hi],
                      out.finish_reason if out.finished else None,
-                     out.stop_reason if out.finished else None)
+                     self.stop_reason(i, out) if out.finished else None)
 
     def whole(self, i: int) -> Piece:
         out = self.final[i]
         return Piece(i, out.text, out.token_ids, out.logprobs, out.finish_reason,
-                     out.stop_reason)
+                     self.stop_reason(i, out))
+
+    def stop_reason(self, i: int, out: RequestOutput) -> int | str | None:
+        """vLLM's: the stop string or stop token id; None for EOS (as for any other end)."""
+        r = out.stop_reason
+        if isinstance(r, int) and r in self.eos and r not in self.seqs[i].params.stop_token_ids:
+            return None
+        return r
 
     def usage(self) -> p.Usage:
         prompt = sum(len(o.prompt_token_ids) for o in self.final if o is not None)
@@ -221,7 +228,7 @@ async def create_chat_completion(state: ServerState, req: p.ChatCompletionReques
 async def _respond(state: ServerState, request: Request, seqs: list[Sequence],
                    req: p._Sampling, fmt: CompletionFormat) -> Response:
     stream = state.engine.submit(seqs)
-    choices = Choices(state.tokenizer, seqs)
+    choices = Choices(state.tokenizer, seqs, state.llm.engine.eos_token_ids)
     if not req.stream:
         try:
             async for out in stream.events(tick_s=DISCONNECT_POLL_S):

@@ -194,3 +194,22 @@ def test_sse_wire_format(live):
         events = [e for e in r.read().decode().split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
     assert all(e.startswith("data: {") for e in events[:-1]) and len(events) >= 2
+
+
+def test_stop_token_ids_and_eos_stop_reasons(live, ref):
+    c = live.client()
+    full = greedy(ref, PROMPTS[2], 12, ignore_eos=True)
+    t = full.token_ids[2]
+    assert t not in full.token_ids[:2]
+    r = c.completions.create(model=model(live), prompt=PROMPTS[2], max_tokens=12,
+                             temperature=0, extra_body={"stop_token_ids": [t],
+                                                        "ignore_eos": True})
+    assert r.choices[0].text == ref.tokenizer.decode(full.token_ids[:2])
+    assert (r.choices[0].finish_reason, r.choices[0].stop_reason) == ("stop", t)
+    assert r.usage.completion_tokens == 2  # the stop token is not part of the output
+    ended = greedy(ref, PROMPTS[2], 12)  # this prompt's greedy run reaches EOS
+    assert ended.stop_reason == ref.tokenizer.eos_token_id
+    r = c.completions.create(model=model(live), prompt=PROMPTS[2], max_tokens=12,
+                             temperature=0)
+    assert r.choices[0].text == ended.text
+    assert (r.choices[0].finish_reason, r.choices[0].stop_reason) == ("stop", None)  # vLLM's

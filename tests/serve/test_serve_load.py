@@ -101,19 +101,37 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(start_server, mode):
         assert r.usage.completion_tokens <= 3
 
 
-def test_sparse_engine_served_equals_offline_sparse(start_server, tiny_llama):
-    ref = LLM(str(tiny_llama), num_threads=1, device_kv_budget="1MiB", max_num_seqs=8, **SPARSE)
+REMOTE = dict(SPARSE, remote_store="inprocess://{}", f_host=0.5)
+
+
+@pytest.mark.parametrize("config", ["sparse", "sparse+remote", "speculative"])
+def test_engine_configs_served_equal_offline(start_server, tiny_llama, config):
+    """What the library runs, the server runs: sparse, sparse over a remote store (its own
+    store per engine), speculative acceptance."""
+    kw = {"sparse": SPARSE, "sparse+remote": REMOTE, "speculative": {"speculative": "accept"}}
+    kw = kw[config]
+
+    def named(who):  # the server and the reference each get their own in-process store
+        return {k: v.format(who) if k == "remote_store" else v for k, v in kw.items()}
+
+    ref = LLM(str(tiny_llama), num_threads=1, device_kv_budget="1MiB", **named("ref"))
     prompt = "Elizabeth and Darcy walked " * 12  # more blocks than top_k: a working set
     want = ref.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                         use_tqdm=False)[0]
     ref.close()
-    with start_server(**SPARSE) as live:
+    with start_server(**named("served")) as live:
         r = live.client().completions.create(model=live.state.model_name, prompt=prompt,
-                                             stream=False, **GREEDY)
+                                             **GREEDY)
         assert r.choices[0].text == want.text
         m = live.wait_idle()
+        if config == "speculative":
+            assert live.llm.stats()["spec_accepted"] == want.metrics.num_drafts_right
+            return
         assert m["oasiskv:sparse_blocks_predicted_total"] > 0
         assert m["oasiskv:sparse_h2d_bytes_total"] > 0
         assert 0 <= m["oasiskv:sparse_hit_rate"] <= 1
         assert m["oasiskv:sparse_block_hits_total"] <= m["oasiskv:sparse_blocks_predicted_total"]
         assert m["oasiskv:kv_host_bytes_budget"] == 2**20
+        if config == "sparse+remote":
+            assert m["oasiskv:sparse_store_to_host_bytes_total"] == \
+                live.llm.stats()["remote_bytes"] > 0
