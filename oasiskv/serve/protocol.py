@@ -44,6 +44,8 @@ class _Request(BaseModel):
             value = getattr(self, name, None)
             if not honoured(value):
                 raise BadRequest(f"{name}={value!r} is not supported: {why}", param=name)
+        if getattr(self, "stream_options", None) is not None and not self.stream:
+            raise BadRequest("stream_options is only for stream=true", param="stream_options")
 
 
 class StreamOptions(BaseModel):
@@ -91,7 +93,7 @@ class _Sampling(_Request):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # OpenAI's default: 16
     # OpenAI's int: the top-N alternatives besides the sampled token; only 0 (the sampled
     # token's own log-probability) is what the engine keeps
     logprobs: int | None = None
@@ -104,6 +106,10 @@ class CompletionRequest(_Sampling):
         if self.logprobs not in (None, 0):
             raise BadRequest(f"logprobs={self.logprobs} is not supported: the engine keeps only "
                              f"the sampled token's log-probability (logprobs=0)", param="logprobs")
+
+    @property
+    def max_output_tokens(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

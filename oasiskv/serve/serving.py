@@ -4,6 +4,7 @@ prompt (text or ids vs messages through the chat template) and their chunk shape
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -202,7 +203,7 @@ async def create_completion(state: ServerState, req: p.CompletionRequest,
     state.check_model(req.model)
     req.check_supported()
     prompts = req.prompts()
-    params = _params(req, req.max_tokens, logprobs=req.logprobs is not None)
+    params = _params(req, req.max_output_tokens, logprobs=req.logprobs is not None)
     seqs = _sequences(state, prompts, [params] * len(prompts))
     fmt = CompletionFormat(uuid.uuid4().hex, state.model_name)
     return await _respond(state, request, seqs, req, fmt)
@@ -230,12 +231,15 @@ async def _respond(state: ServerState, request: Request, seqs: list[Sequence],
     stream = state.engine.submit(seqs)
     choices = Choices(state.tokenizer, seqs, state.llm.engine.eos_token_ids)
     if not req.stream:
+        check_at = time.monotonic() + DISCONNECT_POLL_S
         try:
             async for out in stream.events(tick_s=DISCONNECT_POLL_S):
                 if out is not None:
                     choices.update(out)
-                elif await request.is_disconnected():
-                    return Response(status_code=499)  # nobody reads it; `finally` aborts
+                if time.monotonic() >= check_at:  # outputs or not: a busy request too
+                    if await request.is_disconnected():
+                        return Response(status_code=499)  # nobody reads it; `finally` aborts
+                    check_at = time.monotonic() + DISCONNECT_POLL_S
         finally:
             stream.abort()
         return JSONResponse(fmt.response(choices).model_dump())

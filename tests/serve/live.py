@@ -40,7 +40,7 @@ class Live:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
 
     def http(self, **kwargs) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=30, **kwargs)
+        return httpx.Client(base_url=self.url, **{"timeout": 30, **kwargs})
 
     def metrics(self) -> dict[str, float]:
         """/metrics parsed by prometheus-client's own parser: sample name{labels} -> value."""

@@ -152,8 +152,10 @@ def test_logprobs_are_the_sampled_tokens(live, ref):
                                   temperature=0, logprobs=True)
     got = [x.logprob for x in r.choices[0].logprobs.content]
     assert got == pytest.approx(want.logprobs, abs=1e-5)
-    r = c.completions.create(model=model(live), prompt=PROMPTS[2], max_tokens=4)
+    r = c.completions.create(model=model(live), prompt=PROMPTS[2],
+                             extra_body={"ignore_eos": True})
     assert r.choices[0].logprobs is None  # not asked, not sent
+    assert r.usage.completion_tokens == 16  # OpenAI's default max_tokens
 
 
 def test_seeded_sampling_matches_offline(live, ref):

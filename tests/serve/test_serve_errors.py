@@ -45,6 +45,7 @@ def error_of(resp: httpx.Response, status: int) -> dict:
     ({"prompt": ""}, "prompt", "prompt is empty"),
     ({"prompt": [5, 99999]}, "prompt", "outside the vocabulary"),
     ({"prompt": []}, "prompt", "prompt is empty"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only for stream=true"),
 ])
 def test_completion_400s_name_the_problem(live, body, param, words):
     full = {"model": live.state.model_name, "prompt": "hello", **body}

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from oasiskv import LLM, SamplingParams
+from oasiskv.serve.server import ServeOptions
 
 pytest_plugins = ["live"]
 
@@ -135,3 +137,29 @@ def test_engine_configs_served_equal_offline(start_server, tiny_llama, config):
         if config == "sparse+remote":
             assert m["oasiskv:sparse_store_to_host_bytes_total"] == \
                 live.llm.stats()["remote_bytes"] > 0
+
+
+def test_long_waits_get_keepalive_comments_and_a_stream_that_started(start_server):
+    with start_server(ServeOptions(sse_keepalive=0.05)) as live:
+        live.slow_steps(0.3)  # each token takes several keep-alive periods
+        body = {"model": live.state.model_name, "prompt": "hi", "max_tokens": 3,
+                "stream": True, "ignore_eos": True}
+        with live.http().stream("POST", "/v1/completions", json=body) as resp:
+            lines = [line for line in resp.iter_lines() if line]
+        assert lines[0] == ": keep-alive"  # the stream started before the first token
+        assert lines[-1] == "data: [DONE]"
+        assert lines.count(": keep-alive") >= 3  # one per period of each step, roughly
+        assert all(line == ": keep-alive" or line.startswith("data: ") for line in lines)
+
+
+def test_a_non_streaming_client_that_leaves_is_aborted(start_server):
+    with start_server() as live:
+        live.slow_steps(0.05)
+        body = {"model": live.state.model_name, "prompt": "hi", "max_tokens": 300,
+                "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
+            live.http(timeout=0.5).post("/v1/completions", json=body)
+        m = live.wait_idle()  # seen within a poll (DISCONNECT_POLL_S), not after 300 tokens
+        assert m["oasiskv:request_finished_total{finished_reason=abort}"] == 1
+        assert m["oasiskv:generation_tokens_total"] < 300
+        assert m["oasiskv:kv_device_bytes_used"] == 0
