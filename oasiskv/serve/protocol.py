@@ -53,7 +53,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(_Request):
+class SamplingRequest(_Request):
     """The sampling fields both endpoints share (vLLM's extensions included)."""
 
     model: str
@@ -91,7 +91,7 @@ class _Sampling(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = None  # OpenAI's default: 16
     # OpenAI's int: the top-N alternatives besides the sampled token; only 0 (the sampled
@@ -143,7 +143,7 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": content if content is not None else ""}
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = None  # OpenAI's older name of max_completion_tokens
     max_completion_tokens: int | None = None

@@ -179,7 +179,7 @@ class ChatFormat(CompletionFormat):
         return p.ChatCompletionChunk(id=self.rid, model=self.model, choices=[], usage=usage)
 
 
-def _params(req: p._Sampling, max_tokens: int, logprobs: bool) -> SamplingParams:
+def _params(req: p.SamplingRequest, max_tokens: int, logprobs: bool) -> SamplingParams:
     try:
         return req.sampling_params(max_tokens, logprobs)
     except ValueError as e:
@@ -227,7 +227,7 @@ async def create_chat_completion(state: ServerState, req: p.ChatCompletionReques
 
 
 async def _respond(state: ServerState, request: Request, seqs: list[Sequence],
-                   req: p._Sampling, fmt: CompletionFormat) -> Response:
+                   req: p.SamplingRequest, fmt: CompletionFormat) -> Response:
     stream = state.engine.submit(seqs)
     choices = Choices(state.tokenizer, seqs, state.llm.engine.eos_token_ids)
     if not req.stream:

@@ -17,6 +17,7 @@ pytest_plugins = ["live"]
 
 GREEDY = dict(temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
 SPARSE = dict(kv_mode="sparse", top_k=3, host_kv_budget="1MiB")
+REMOTE = dict(SPARSE, remote_store="inprocess://{}", f_host=0.5)  # {}: a store per engine
 
 
 def test_32_concurrent_streams_each_equal_its_offline_greedy_run(live, ref):
@@ -76,9 +77,11 @@ def test_metrics_parse_and_move_as_a_request_runs(live, ref):
     assert after["oasiskv:kv_device_bytes_used"] == 0
 
 
-@pytest.mark.parametrize("mode", ["dense", "sparse"])
+@pytest.mark.parametrize("mode", ["dense", "sparse", "sparse+remote"])
 def test_a_client_that_leaves_mid_stream_frees_its_blocks(start_server, mode):
-    with start_server(**(SPARSE if mode == "sparse" else {})) as live:
+    config = {"dense": {}, "sparse": SPARSE,
+              "sparse+remote": {**REMOTE, "remote_store": "inprocess://leaves"}}[mode]
+    with start_server(**config) as live:
         live.slow_steps(0.02)
         body = {"model": live.state.model_name, "prompt": "The quick brown fox " * 4,
                 "max_tokens": 300, "stream": True, "ignore_eos": True}
@@ -88,22 +91,23 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(start_server, mode):
             busy = live.metrics()
             assert busy["oasiskv:num_requests_running"] == 1
             assert busy["oasiskv:kv_device_bytes_used"] > 0
-            if mode == "sparse":
+            if mode != "dense":
                 assert busy["oasiskv:kv_host_bytes_used"] > 0
+            if mode == "sparse+remote":  # its prompt blocks went to the store
+                assert live.llm.engine.sparse.remote.store.namespaces()
         # the client is gone: the request leaves the batch at the next step, blocks freed
         m = live.wait_idle()
         assert m["oasiskv:request_finished_total{finished_reason=abort}"] == 1
         assert m["oasiskv:kv_device_bytes_used"] == 0
         assert m["oasiskv:kv_host_bytes_used"] == 0
         assert m["oasiskv:generation_tokens_total"] < 300
-        live.llm.engine.check_invariants()  # nothing leaked in the pools
+        live.llm.engine.check_invariants()  # nothing leaked: pools, store namespaces
+        if mode == "sparse+remote":
+            assert not live.llm.engine.sparse.remote.store.namespaces()
         live.llm.engine.step_hooks.clear()
         r = live.client().completions.create(model=live.state.model_name, prompt="hi",
                                              max_tokens=3)  # and it serves on
         assert r.usage.completion_tokens <= 3
-
-
-REMOTE = dict(SPARSE, remote_store="inprocess://{}", f_host=0.5)
 
 
 @pytest.mark.parametrize("config", ["sparse", "sparse+remote", "speculative"])
