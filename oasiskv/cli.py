@@ -1,5 +1,5 @@
-"""`oasiskv generate | bench decode | eval recall | train-drafter`: the command line over the
-same config as `LLM(...)`."""
+"""`oasiskv generate | serve | bench decode | eval recall | train-drafter`: the command line
+over the same config as `LLM(...)`."""
 
 from __future__ import annotations
 
@@ -329,6 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "the prefill worker in its own process over it")
     add_engine_flags(pdp)
     pdp.set_defaults(func=_cmd_pd)
+
+    from oasiskv.serve.server import add_parser as add_serve_parser  # light: no server imports
+
+    add_serve_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
                                                                       required=True)

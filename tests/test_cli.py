@@ -21,7 +21,7 @@ def field_names() -> list[str]:
             + [f.name for f in dataclasses.fields(SpecConfig)])
 
 
-@pytest.mark.parametrize("command", [["generate"], ["bench", "decode"]])
+@pytest.mark.parametrize("command", [["generate"], ["bench", "decode"], ["serve"]])
 def test_help_lists_a_flag_per_config_field(capsys, command):
     with pytest.raises(SystemExit) as exit_:
         main([*command, "--help"])
