@@ -4,6 +4,8 @@ score is the largest sub-block's Quest bound, an upper bound on the block's true
 most the whole-block bound; with K covering every block, decoding equals dense; the device
 budget pays (S-1) more summaries per block, counted by hand."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from oasiskv import LLM, SamplingParams
 from oasiskv.config import CacheConfig
 from oasiskv.kv.select import aggregated_scores, block_scores
 from oasiskv.kv.summaries import round_outward, summarize, summary_rows
-from oasiskv.prefetch.stages import requests_view
+from oasiskv.prefetch.stages import SelectJob, requests_view
 
 B, D, HKV, GROUP = 16, 8, 2, 3
 
@@ -90,6 +92,51 @@ def test_split_aggregated_scores_take_each_heads_largest_sub_block_before_the_so
             torch.testing.assert_close(got[r, g, :m].exp().double(), want, rtol=1e-4,
                                        atol=1e-6)
         assert (got[r, :, m:] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("aggregation", ["sum", "softmax-sum"])
+@pytest.mark.parametrize("layout", ["side by side", "one run each", "scattered"])
+def test_select_job_scores_each_requests_own_sub_blocks(aggregation, layout):
+    """`SelectJob._summary_scores` over a pool of S rows per summary id, for the three ways a
+    batch's summaries lie (one strided view from a run not at id 0, a run per request, ids
+    gathered one by one) equals each request's rows scored alone (summary_rows by hand)."""
+    torch.manual_seed(11)
+    splits, layers, hkv, d, ids_total = 2, 2, HKV, D, 40
+    pool = [torch.randn(layers, ids_total * splits, hkv, d) for _ in range(2)]
+    kmin, kmax = torch.minimum(*pool), torch.maximum(*pool)
+    lengths = [5, 3, 4]
+    starts = {"side by side": [3, 10, 17], "one run each": [20, 2, 11],
+              "scattered": [None] * 3}[layout]
+    picks = []
+    for r, (m, start) in enumerate(zip(lengths, starts, strict=True)):
+        ids = (torch.arange(m) + start if start is not None
+               else torch.randperm(ids_total)[:m] if r else torch.tensor([30, 1, 7, 25, 12]))
+        d_ = SimpleNamespace(summary_ids=ids, summary_start=start)
+        picks.append((d_, torch.randn(layers, hkv * GROUP, d) * 2))
+    job = SelectJob.__new__(SelectJob)
+    job.kv = SimpleNamespace(
+        kmin=kmin, kmax=kmax, scales=[0.3, 0.5],
+        cfg=SimpleNamespace(summary_splits=splits, score_alpha=1.0,
+                            score_aggregation=aggregation))
+    job.layers, job.run, job.picks = [0, 1], slice(0, 2), picks
+    job.lengths = torch.tensor(lengths)
+    n = max(lengths)
+    if layout == "side by side":
+        assert job._summary_stride(n, ids_total) == 7
+    got = job._summary_scores(n)  # [layers, R, Hkv, n]
+    for r, (d_, q) in enumerate(picks):
+        rows = summary_rows(d_.summary_ids, splits)
+        m = len(d_.summary_ids)
+        for layer in range(layers):
+            lo, hi = kmin[layer, rows], kmax[layer, rows]
+            if aggregation == "sum":
+                want = block_scores(q[layer], lo, hi, splits=splits)
+            else:
+                want = aggregated_scores(q[layer], lo, hi, torch.zeros(m, dtype=torch.bool),
+                                         torch.tensor(job.kv.scales[layer]), aggregation,
+                                         splits=splits)
+            torch.testing.assert_close(got[layer, r, :, :m], want, rtol=1e-5, atol=1e-5)
+            assert (got[layer, r, :, m:] == float("-inf")).all()
 
 
 @pytest.mark.parametrize("bad", [0, 3, 6, 32, -2])
