@@ -154,6 +154,12 @@ class CacheConfig:
         "summed bounds (one head with large norms decides for the group); softmax-sum / "
         "softmax-max: each query head's bounds (Quest's, score_alpha) normalised by a softmax "
         "over the request's blocks at the attention scale, then summed / the largest taken")
+    summary_splits: int = _field(
+        1, "sparse: min/max key summaries per block, one per block_size/summary_splits-token "
+        "sub-block (a power of two <= block_size); a block scores the largest of its "
+        "sub-blocks' bounds, each a tighter bound on its own tokens. Blocks, fetches and working "
+        "sets stay whole blocks; the summaries' device bytes (and scoring work) grow "
+        "summary_splits times")
     rerank: float = _field(
         0.0, "sparse: 0 (off) or c >= 1: the best c*top_k blocks by summary score are re-ranked "
         "by the predicting query's true attention over their keys in the host tier (reads "
@@ -249,6 +255,13 @@ class CacheConfig:
                              f"got {self.score_aggregation!r}")
         if self.score_aggregation != "sum" and self.predictor == "oracle":
             raise ValueError("score_aggregation combines summary scores; predictor=oracle has "
+                             "none (it ranks every block by attention already)")
+        s = self.summary_splits
+        if s < 1 or s & (s - 1) or s > self.block_size:
+            raise ValueError(f"summary_splits must be a power of two from 1 to block_size "
+                             f"({self.block_size}), got {s}")
+        if s > 1 and self.predictor == "oracle":
+            raise ValueError("summary_splits refines the block summaries; predictor=oracle has "
                              "none (it ranks every block by attention already)")
         if self.rerank != 0 and not self.rerank >= 1:
             raise ValueError(f"rerank must be 0 (off) or >= 1 (candidates per top_k block), "

@@ -6,7 +6,8 @@ at SmolLM2-135M's shapes: 30 layers, 9 query heads over 3 KV heads, d=64, 448 co
   python scripts/bench_scoring.py [--repeats 30] [--threads 1]
 
 Prints each variant's median over interleaved repeats and its ratio to the first of its
-group: the summary scoring (sum, softmax-sum, softmax-max) and the rerank's second stage
+group: the summary scoring (sum, softmax-sum, softmax-max; and with summary_splits=2, two
+8-token sub-block summaries per block, sum and softmax-sum) and the rerank's second stage
 (rerank=2 at top_k=128: 256 candidate blocks per KV head, keys from the host tier or from the
 int8 copy). Absolute CPU times are noisy; compare ratios from one run."""
 
@@ -44,7 +45,7 @@ def report(title: str, medians: dict[str, float]) -> None:
     base = next(iter(medians.values()))
     print(title)
     for k, m in medians.items():
-        print(f"  {k:14s} {m * 1e3:8.2f} ms/step  x{m / base:.2f}")
+        print(f"  {k:16s} {m * 1e3:8.2f} ms/step  x{m / base:.2f}")
 
 
 def main() -> None:
@@ -70,6 +71,19 @@ def main() -> None:
     scoring = {"sum": summed}
     for mode in ("softmax-sum", "softmax-max"):
         scoring[mode] = lambda mode=mode: aggregated_scores(q, lo, hi, past, scales, mode)
+    # summary_splits=2: two summary rows per block, side by side as the engine keeps them
+    S = 2
+    kmin2 = torch.randn(L, R * stride * S, HKV, D).to(torch.bfloat16)
+    kmax2 = kmin2 + torch.rand_like(kmin2)
+    lo2, hi2 = (requests_view(x, R, N * S, stride * S, 0) for x in (kmin2, kmax2))
+
+    def summed2() -> torch.Tensor:
+        s = weighted_scores(lo2, hi2, *summary_weights(q, HKV), S)
+        return s.masked_fill_(past[:, None], float("-inf"))
+
+    scoring["sum S=2"] = summed2
+    scoring["softmax-sum S=2"] = lambda: aggregated_scores(q, lo2, hi2, past, scales,
+                                                           "softmax-sum", 1.0, S)
     report(f"summary scoring, {L} layers x {R} requests x {N} blocks:",
            timed(scoring, args.repeats))
 

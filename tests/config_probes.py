@@ -145,20 +145,24 @@ def selections_match(want_of) -> tuple[list[bool], object]:  # noqa: ANN001
 
 
 def selections_like(path: str, alpha: float, aggregation: str = "sum",
-                    prompts: list[list[int]] = PROMPTS, **kw) -> list[bool]:
+                    prompts: list[list[int]] = PROMPTS, splits: int = 1, **kw) -> list[bool]:
     """Decodes with predictor=exact; for each (step, layer, request) with a choice to make,
     whether every KV head's working set is the top-K by the hand-computed score
     sum_h q_h.c + alpha*|q_h|.r over exact (fp32) min/max summaries; with `aggregation`
     softmax-sum / softmax-max, each query head's q_h.c + alpha*|q_h|.r softmaxed over the
-    request's blocks at the layer's attention scale, then summed / the largest. Two prompts
-    score as one batch (their summaries side by side), one alone."""
+    request's blocks at the layer's attention scale, then summed / the largest. With `splits`
+    S, the min/max of each B/S-token sub-block, a block's score (per query head before the
+    softmax; after the group's sum with sum) its sub-blocks' largest. Two prompts score as one
+    batch (their summaries side by side), one alone."""
     def want_of(layer: int, qg: torch.Tensor, keys: torch.Tensor, sparse) -> torch.Tensor:  # noqa: ANN001
-        lo, hi = keys.amin(2), keys.amax(2)
-        per_head = ((qg[:, :, None] * ((hi + lo) / 2)[:, None]).sum(-1) + alpha *
-                    (qg.abs()[:, :, None] * ((hi - lo) / 2)[:, None]).sum(-1))
-        if aggregation == "sum":  # [Hkv, G, n] -> [Hkv, n]
-            score = per_head.sum(1)
+        sub = keys.unflatten(2, (splits, -1))  # [Hkv, n, S, B/S, d]
+        lo, hi = sub.amin(3), sub.amax(3)  # [Hkv, n, S, d]
+        per_head = ((qg[:, :, None, None] * ((hi + lo) / 2)[:, None]).sum(-1) + alpha *
+                    (qg.abs()[:, :, None, None] * ((hi - lo) / 2)[:, None]).sum(-1))
+        if aggregation == "sum":  # [Hkv, G, n, S] -> [Hkv, n]
+            score = per_head.sum(1).amax(-1)
         else:
+            per_head = per_head.amax(-1)  # [Hkv, G, n]
             probs = torch.softmax(per_head.double() * sparse.scales[layer], dim=-1)
             score = probs.sum(1) if aggregation == "softmax-sum" else probs.amax(1)
         return score.topk(SPARSE["top_k"]).indices  # [Hkv, K]

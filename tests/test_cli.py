@@ -59,6 +59,7 @@ TYPED = [
     ("rerank", "1.5", 1.5),
     ("rerank_source", "host", "host"),  # int8 needs rerank
     ("score_aggregation", "softmax-max", "softmax-max"),
+    ("summary_splits", "2", 2),
     ("summary_dtype", "float16", "float16"),
     ("prefault_kv", "true", True),
     ("sink_blocks", "2", 2),

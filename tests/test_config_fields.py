@@ -345,6 +345,22 @@ def _score_aggregation(ctx: Ctx) -> None:
         assert not all(selections_like(ctx.path, 1.0, aggregation, score_aggregation="sum"))
 
 
+@row("summary_splits")
+def _summary_splits(ctx: Ctx) -> None:
+    """2: working sets are the top-K by the largest of each block's two 8-token sub-blocks'
+    bounds, as computed by hand (summed over the group, or per head before softmax-sum); the
+    default's one summary per block ranks otherwise. Each block pays two summaries (per block
+    2 x 2 layers x 2 KV heads x 16 x 2 B each, bf16)."""
+    for aggregation in ("sum", "softmax-sum"):
+        for prompts in (PROMPTS, [LONG]):  # a batch's summaries as one view; one request's
+            assert all(selections_like(ctx.path, 1.0, aggregation, prompts, splits=2,
+                                       summary_splits=2))
+    assert not all(selections_like(ctx.path, 1.0, splits=2))
+    assert not all(selections_like(ctx.path, 1.0, summary_splits=2))
+    stats = run(ctx.path, **SPARSE, summary_splits=2).stats
+    assert stats["summary_bytes_per_block"] == 2 * (2 * 2 * 2 * 16 * 2)
+
+
 @row("rerank")
 def _rerank(ctx: Ctx) -> None:
     """exact + rerank over every block (8 * top_k = 16 >= 10 blocks) ranks by attention mass

@@ -27,7 +27,7 @@ import torch
 from oasiskv.engine.sequence import RequestMetrics, Sequence
 from oasiskv.kv.residency import SparseKV, WorkingSet
 from oasiskv.kv.select import stamp
-from oasiskv.kv.summaries import round_outward
+from oasiskv.kv.summaries import round_outward, summary_rows
 
 TRANSFERS = ("partial", "slab", "full")
 
@@ -43,8 +43,8 @@ class Handoff:
     transfer: str  # one of TRANSFERS
     kept: list[torch.Tensor]  # per layer [m_l]: logical prompt blocks sent whole
     slab_namespace: str | None  # slab: where the K slot blocks of each layer wait
-    kmin: torch.Tensor  # [L, n_full, Hkv, d] summaries of every complete logical block
-    kmax: torch.Tensor
+    kmin: torch.Tensor  # [L, n_full * S, Hkv, d] summaries of every complete logical block
+    kmax: torch.Tensor  # (S = summary_splits rows per block, `summaries.summary_rows`)
     tail: torch.Tensor  # [L, 2, Hkv, T, d] K/V of tokens P*B .. num_computed (not in store)
     head_map: torch.Tensor  # [L, K, Hkv] working set: logical block per (slot, head)
     ages: torch.Tensor  # [L, K, Hkv] select.stamp of each slot minus the step's stamp (<= 0)
@@ -55,6 +55,7 @@ class Handoff:
     generator_state: torch.Tensor | None  # seeded sampling continues where it stopped
     metrics: RequestMetrics  # arrival, first token (one process: perf_counter is shared)
     block_size: int
+    summary_splits: int = 1  # the decode worker's must match (engine.add_handoff checks)
 
     @property
     def num_prompt_blocks(self) -> int:
@@ -96,6 +97,7 @@ def take_handoff(kv: SparseKV, seq: Sequence, transfer: str) -> Handoff:
     P, n_full = seq.num_prompt_tokens // B, seq.num_computed_tokens // B
     ws = seq.working_set
     ids = torch.tensor(seq.summary_ids[:n_full], dtype=torch.long)
+    rows = summary_rows(ids, kv.cfg.summary_splits)
     # K/V after the last complete prompt block: on the host (fills and write-through)
     blocks = torch.tensor([kv.host_block(seq, b) for b in range(P, n_full + 1)],
                           dtype=torch.long)
@@ -113,12 +115,12 @@ def take_handoff(kv: SparseKV, seq: Sequence, transfer: str) -> Handoff:
         token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
         num_computed_tokens=seq.num_computed_tokens, transfer=transfer, kept=kept,
         slab_namespace=None,
-        kmin=kv.kmin[:, ids].cpu(), kmax=kv.kmax[:, ids].cpu(), tail=tail.cpu(),
+        kmin=kv.kmin[:, rows].cpu(), kmax=kv.kmax[:, rows].cpu(), tail=tail.cpu(),
         head_map=ws.head_map.clone(), ages=ws.last_used - stamp(kv.step),
         seeded=list(ws.seeded), primed=list(ws.primed), draft_tokens=list(seq.draft_tokens),
         draft_weights=seq.draft_weights,
         generator_state=None if seq.generator is None else seq.generator.get_state(),
-        metrics=seq.metrics, block_size=B)
+        metrics=seq.metrics, block_size=B, summary_splits=kv.cfg.summary_splits)
     if transfer == "slab":  # last: nothing that could fail after it leaves the slab stored
         handoff.slab_namespace = kv.remote.put_slab(namespace, kv.slab_kv(seq))
     return handoff
@@ -133,8 +135,9 @@ def receive_handoff(kv: SparseKV, seq: Sequence, handoff: Handoff) -> int:
     B, h = kv.cfg.block_size, handoff
     P, n_full = h.num_prompt_blocks, h.num_computed_tokens // B
     ids = torch.tensor(seq.summary_ids[:n_full], dtype=torch.long)
+    rows = summary_rows(ids, h.summary_splits)  # the same splits (engine.add_handoff)
     kmin, kmax = round_outward(h.kmin, h.kmax, kv.kmin.dtype)  # exact when the dtypes match
-    kv.kmin[:, ids], kv.kmax[:, ids] = kmin.to(kv.kmin.device), kmax.to(kv.kmax.device)
+    kv.kmin[:, rows], kv.kmax[:, rows] = kmin.to(kv.kmin.device), kmax.to(kv.kmax.device)
     keep = h.kept
     if h.transfer == "full":  # all of the prompt arrives: keep the working sets' blocks, then
         capacity = kv.remote.capacity(P)  # the most recent ones

@@ -195,8 +195,13 @@ class DisaggregatedLLM:
         prefill_config = EngineConfig.from_kwargs(
             **{**({"remote_lend": "4GiB"} if mooncake else {}), **kwargs, **(prefill or {})})
         self.transfer = transfer
-        self.decode = LLMEngine(EngineConfig.from_kwargs(
-            **{**kwargs, **({"remote_lend": "0"} if mooncake else {}), **(decode or {})}))
+        decode_config = EngineConfig.from_kwargs(
+            **{**kwargs, **({"remote_lend": "0"} if mooncake else {}), **(decode or {})})
+        splits = (prefill_config.cache.summary_splits, decode_config.cache.summary_splits)
+        if splits[0] != splits[1]:  # a hand-over's summaries are installed as they are
+            raise ValueError(f"summary_splits must be the same on both workers, got prefill "
+                             f"{splits[0]}, decode {splits[1]}")
+        self.decode = LLMEngine(decode_config)
         try:
             self.prefill = ProcessPrefill(prefill_config) if mooncake else LocalPrefill(
                 prefill_config)

@@ -149,7 +149,7 @@ class LLMEngine:
             # at f_host could hold (a budget >= f_host * history).
             split = self.device_split = split_sparse(
                 cache.device_kv_budget, smc.kv_bytes_per_token(dtype) * block,
-                summary_bytes(smc, summary_dtype)
+                summary_bytes(smc, summary_dtype, cache.summary_splits)
                 + (key_copy_bytes(smc, block) if cache.key_copy else 0)
                 + dense_layer_bytes(mc, n_dense, block, dtype),
                 cache.slab_blocks, -(-self.max_model_len // block),
@@ -170,13 +170,12 @@ class LLMEngine:
                                   BlockPool(split.summary_ids, block),
                                   summary_room=split.summary_room)
             summary = (smc.num_layers, split.summary_ids, mc.num_kv_heads, mc.head_dim)
+            rows = (smc.num_layers, split.summary_ids * cache.summary_splits, *summary[2:])
             executor = make_executor(cache.prefetch, self.device)
             weakref.finalize(self, executor.close)  # no worker outlives the engine
             self.sparse = SparseKV(cache, device_kv, host_kv[n_dense:] if n_dense else host_kv,
-                                   torch.empty(summary, dtype=summary_dtype,
-                                               device=self.device),
-                                   torch.empty(summary, dtype=summary_dtype,
-                                               device=self.device),
+                                   torch.empty(rows, dtype=summary_dtype, device=self.device),
+                                   torch.empty(rows, dtype=summary_dtype, device=self.device),
                                    PrefetchPipeline(executor), remote=remote,
                                    scales=[a.scale for a in
                                            self.model.attention_layers()][n_dense:])
@@ -190,7 +189,7 @@ class LLMEngine:
                                       dense_kv)
             t0 = time.perf_counter()
             warm_up_scores(self.sparse.kmin, cache.score_aggregation,
-                           mc.num_heads // mc.num_kv_heads)
+                           mc.num_heads // mc.num_kv_heads, cache.summary_splits)
             log.info("compiled the block scoring in %.1f s", time.perf_counter() - t0)
         if cache.prefault_kv:
             t0 = time.perf_counter()
@@ -339,6 +338,10 @@ class LLMEngine:
             raise ValueError(f"hand-over of request {h.request_id!r} has working sets of top_k "
                              f"{h.head_map.shape[1]}, this engine's top_k is "
                              f"{self.config.cache.top_k}")
+        if h.summary_splits != self.config.cache.summary_splits:
+            raise ValueError(f"hand-over of request {h.request_id!r} has summary_splits "
+                             f"{h.summary_splits}, this engine's is "
+                             f"{self.config.cache.summary_splits}: set it alike on both workers")
         if h.request_id in self.requests:
             raise ValueError(f"request id {h.request_id!r} is already in use")
         max_context = min(h.num_prompt_tokens + params.max_tokens, self.max_model_len)

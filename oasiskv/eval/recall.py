@@ -203,7 +203,7 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
         probe = RecallProbe(engine.runner.model, engine.runner.device_kv, seq,
                             engine.config.cache.block_size, spec.top_ks,
                             "previous" in spec.predictors, totals, spec.draft_context, record,
-                            spec.rerank)
+                            spec.rerank, engine.config.cache.summary_splits)
         probe.prefill_summaries(p)
         keys = [(k, d) for k in spec.top_ks for d in spec.lookahead_drafters]
         last_logits: dict[tuple[int, str], torch.Tensor] = {}

@@ -7,7 +7,9 @@ processes x_t at position P = prompt + t and computes, per layer l and KV head g
 
 - the exact set E_t(l, g): the top-K complete blocks by Quest score (`kv.select.block_scores`,
   the query heads of g summed) of x_t's true query, over per-block kmin/kmax summaries of the
-  post-RoPE keys. The block holding x_t (the active block) is not ranked;
+  post-RoPE keys (with the engine's summary_splits S, of each B/S-token sub-block, a block
+  scoring its sub-blocks' largest, as the sparse engine scores). The block holding x_t (the
+  active block) is not ranked;
 - `previous`: the top-K of the same query, ranked over the blocks step t+1 ranks (the same
   blocks, plus the one x_t completes every B-th step);
 - `lookahead` with drafter d: the draft token x^_{t+1}(d) rides along with x_t in the same
@@ -101,16 +103,17 @@ class RecallProbe:
     def __init__(self, model, device_kv: torch.Tensor, seq: Sequence, block_size: int,
                  top_ks: list[int], previous: bool, totals: Totals,
                  draft_context: str = "sparse", record: bool = False,
-                 rerank: float = 0.0) -> None:
+                 rerank: float = 0.0, summary_splits: int = 1) -> None:
         self.seq, self.device_kv, self.block = seq, device_kv, block_size
-        self.rerank = rerank
+        self.rerank, self.splits = rerank, summary_splits
         self.top_ks, self.kmax_k = sorted(top_ks), max(top_ks)
         self.previous, self.totals, self.record = previous, totals, record
         self.draft_context = draft_context
         self.scales = [a.scale for a in model.attention_layers()]
         layers, _, hkv, _, d = device_kv.shape
         max_blocks = seq.max_context // block_size + 2
-        self.kmin = torch.empty(layers, max_blocks, hkv, d, dtype=torch.float32)
+        # [L, blocks * S, Hkv, d]: S summary rows per block (`kv.summaries.summarize`)
+        self.kmin = torch.empty(layers, max_blocks * summary_splits, hkv, d, dtype=torch.float32)
         self.kmax = torch.empty_like(self.kmin)
         self.num_summarized = 0
         self.pending: list[dict[RowKey, torch.Tensor]] = [{} for _ in range(layers)]
@@ -133,8 +136,13 @@ class RecallProbe:
             return
         keys = self.keys(layer, first * self.block, end * self.block)
         hkv, _, d = keys.shape
-        kmin, kmax = summarize(keys.reshape(hkv, end - first, self.block, d))
-        self.kmin[layer, first:end], self.kmax[layer, first:end] = kmin, kmax
+        kmin, kmax = summarize(keys.reshape(hkv, end - first, self.block, d), self.splits)
+        rows = slice(first * self.splits, end * self.splits)
+        self.kmin[layer, rows], self.kmax[layer, rows] = kmin, kmax
+
+    def summaries(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """kmin, kmax of the first n blocks: [n * S, Hkv, d] each."""
+        return self.kmin[layer, :n * self.splits], self.kmax[layer, :n * self.splits]
 
     def prefill_summaries(self, num_tokens: int) -> None:
         n = num_tokens // self.block
@@ -167,8 +175,8 @@ class RecallProbe:
         n_cur, n_next = self.pos // b, (self.pos + 1) // b
         if n_next > n_cur:  # x_t's K (written just before this call) completes its block
             self.summarize_blocks(layer, n_cur, n_next)
-        kmin, kmax = self.kmin[layer, :n_next], self.kmax[layer, :n_next]
-        scores = block_scores(q[0], kmin, kmax)  # [Hkv, n_next]
+        kmin, kmax = self.summaries(layer, n_next)
+        scores = block_scores(q[0], kmin, kmax, splits=self.splits)  # [Hkv, n_next]
         top = top_k_blocks(scores[:, :n_cur], self.kmax_k)
         exact = {k: top[:, :k] for k in self.top_ks}
         if self.score:
@@ -191,14 +199,14 @@ class RecallProbe:
         if not self.predict or not self.draft_rows:
             return
         n_next = (self.pos + 1) // self.block
-        kmin, kmax = self.kmin[layer, :n_next], self.kmax[layer, :n_next]
+        kmin, kmax = self.summaries(layer, n_next)
         if self.rerank:
             keys = self.keys(layer, 0, n_next * self.block).unflatten(1, (n_next, self.block))
             heads = torch.arange(keys.shape[0])[:, None]
         for (k, drafter), rows in self.draft_rows.items():
             # [H, d], mixed as the engine mixes them
             query = mixed_queries(q[rows][None], [self.draft_weights.get((k, drafter))])[0]
-            scores = block_scores(query, kmin, kmax)
+            scores = block_scores(query, kmin, kmax, splits=self.splits)
             self.pending[layer][(k, "lookahead", drafter)] = top_k_blocks(scores, k)
             if self.rerank:  # candidates [Hkv, c] -> their keys [Hkv, c*B, d]
                 mass = rerank_by_mass(scores, query, lambda c: keys[heads, c].flatten(1, 2),

@@ -1,8 +1,9 @@
 """How an engine spends `device_kv_budget`: every byte of it is one of the device's KV tensors.
 
 Dense: KV blocks only. Sparse: KV blocks for the requests' slabs (K+2 blocks each) and block
-summaries (kmin/kmax of one block in every layer, and with rerank_source=int8 the block's int8
-key copy) for their histories, tensors whose sizes add up to at most the budget. With
+summaries (kmin/kmax of one block in every layer, summary_splits pairs of them, and with
+rerank_source=int8 the block's int8 key copy) for their histories, tensors whose sizes add up
+to at most the budget. With
 dense_layers=N the slabs, summaries and key copy cover the other layers only, and each block of
 a history also holds the N dense layers' K/V (`kv/dense_layers.py`), charged beside its
 summary. The split
@@ -26,17 +27,18 @@ class DeviceSplit:
     summary_ids: int  # block summaries allocated (0 in dense mode)
     summary_room: int  # summary ids the budget has room for beside the slabs, before the cap
     block_bytes: int  # one KV block, every layer, K and V
-    summary_bytes: int  # one block's kmin and kmax, every sparse layer (and its int8 key
-    # copy, and with dense_layers the dense layers' K/V of the block)
+    summary_bytes: int  # one block's kmin and kmax, every sparse layer and sub-block (and its
+    # int8 key copy, and with dense_layers the dense layers' K/V of the block)
 
     @property
     def allocated(self) -> int:
         return self.kv_blocks * self.block_bytes + self.summary_ids * self.summary_bytes
 
 
-def summary_bytes(mc: ModelConfig, dtype: torch.dtype) -> int:
-    """Device bytes of one block's summary: kmin and kmax [L, Hkv, d] in `dtype`."""
-    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+def summary_bytes(mc: ModelConfig, dtype: torch.dtype, splits: int = 1) -> int:
+    """Device bytes of one block's summary: kmin and kmax [L, splits, Hkv, d] in `dtype` (a
+    pair per sub-block, summary_splits)."""
+    return 2 * mc.num_layers * splits * mc.num_kv_heads * mc.head_dim * dtype.itemsize
 
 
 def key_copy_bytes(mc: ModelConfig, block_size: int) -> int:
@@ -106,6 +108,11 @@ def device_memory(engine) -> dict:
     if ids is not None:
         out.update(summary_ids_total=split.summary_ids, summary_ids_used=ids.num_used,
                    summary_ids_peak=ids.peak_used, summary_bytes_per_block=split.summary_bytes)
+        splits = engine.config.cache.summary_splits
+        if splits > 1:  # part of summary_bytes_per_block: kmin/kmax of every sub-block
+            rows = engine.sparse.kmin  # [L, ids * splits, Hkv, d]
+            out.update(summary_splits=splits, summary_minmax_bytes_per_block=2 * splits * (
+                rows[:, 0].numel() * rows.element_size()))
         copy = [engine.sparse.key_codes, engine.sparse.key_scales]
         if copy[0] is not None:  # part of summary_bytes_per_block
             out.update(key_copy_bytes_per_block=sum(t[:, 0].numel() * t.element_size()

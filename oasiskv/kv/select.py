@@ -37,25 +37,37 @@ def summary_weights(q: torch.Tensor, num_kv_heads: int,
     return (total + magnitude) / 2, (total - magnitude) / 2
 
 
+def largest_split(scores: torch.Tensor, splits: int, dim: int) -> torch.Tensor:
+    """Sub-block scores -> block scores: along `dim` (n*splits rows, a block's splits
+    consecutive), the largest of each block's. Each sub-block's bound holds for its own
+    tokens, so the largest bounds every token of the block (and is at most the whole block's
+    bound: the sub-blocks' min/max lie within the block's). splits = 1: unchanged."""
+    if splits == 1:
+        return scores
+    return scores.unflatten(dim, (-1, splits)).amax(dim + 1 if dim >= 0 else dim)
+
+
 @compiled
 def weighted_scores(kmin: torch.Tensor, kmax: torch.Tensor, w_max: torch.Tensor,
-                    w_min: torch.Tensor) -> torch.Tensor:
-    """kmin/kmax [..., n, Hkv, d], weights [..., Hkv, d] -> scores [..., Hkv, n]."""
+                    w_min: torch.Tensor, splits: int = 1) -> torch.Tensor:
+    """kmin/kmax [..., n*splits, Hkv, d] (summary_splits rows per block), weights
+    [..., Hkv, d] -> scores [..., Hkv, n], each block's the largest of its rows'."""
     # Compiled: one pass that reads each summary once (bf16 summaries, fp32 weights multiply
     # in fp32), at the memory's bandwidth; eager, each product is an fp32 temporary as large
     # as the summaries (7K x 4 requests, 30 layers: 7.8 -> 3.2 ms of a step's selection).
     w_max, w_min = w_max[..., None, :, :], w_min[..., None, :, :]
-    scores = torch.mul(kmax, w_max).sum(-1) + torch.mul(kmin, w_min).sum(-1)
-    return scores.transpose(-1, -2)
+    scores = torch.mul(kmax, w_max).sum(-1) + torch.mul(kmin, w_min).sum(-1)  # [..., n*S, Hkv]
+    return largest_split(scores, splits, -2).transpose(-1, -2)
 
 
 def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-                 alpha: float = 1.0) -> torch.Tensor:
-    """s_b = sum_h (q_h . c_b + alpha |q_h| . r_b) over the query heads h of each KV head.
+                 alpha: float = 1.0, splits: int = 1) -> torch.Tensor:
+    """s_b = sum_h (q_h . c_b + alpha |q_h| . r_b) over the query heads h of each KV head
+    (with splits > 1: the largest over the block's sub-blocks' summaries).
 
-    q [..., H, d] (post-RoPE, one token per leading index); kmin/kmax [..., n, Hkv, d] ->
-    scores [..., Hkv, n]."""
-    return weighted_scores(kmin, kmax, *summary_weights(q, kmin.shape[-2], alpha))
+    q [..., H, d] (post-RoPE, one token per leading index); kmin/kmax [..., n*splits, Hkv, d]
+    -> scores [..., Hkv, n]."""
+    return weighted_scores(kmin, kmax, *summary_weights(q, kmin.shape[-2], alpha), splits)
 
 
 def head_weights(q: torch.Tensor, num_kv_heads: int,
@@ -70,16 +82,19 @@ def head_weights(q: torch.Tensor, num_kv_heads: int,
 
 @compiled
 def head_log_probs(kmin: torch.Tensor, kmax: torch.Tensor, w_max: torch.Tensor,
-                   w_min: torch.Tensor, past: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+                   w_min: torch.Tensor, past: torch.Tensor, scale: torch.Tensor,
+                   splits: int = 1) -> torch.Tensor:
     """Each query head's scores, normalised over the request's blocks: log softmax over n of
-    scale * (kmax . w_max + kmin . w_min). kmin/kmax [..., n, Hkv, d], weights [..., Hkv, G, d]
+    scale * (kmax . w_max + kmin . w_min). kmin/kmax [..., n*splits, Hkv, d] (a block's score:
+    its sub-blocks' largest, per query head, before the softmax), weights [..., Hkv, G, d]
     (head_weights), past [..., n] True for a block that is not the request's (-inf: another
     request's summaries in a batch view), scale [...] (the attention scale, per layer) ->
     [..., Hkv, G, n]."""
     # compiled as weighted_scores is: one pass over the summaries, G products per element;
     # one reduction over d of both products (two: 1.3x slower at SmolLM2's shapes)
     w_max, w_min = w_max[..., None, :, :, :], w_min[..., None, :, :, :]
-    scores = (kmax[..., None, :] * w_max + kmin[..., None, :] * w_min).sum(-1)  # [..., n, Hkv, G]
+    scores = (kmax[..., None, :] * w_max + kmin[..., None, :] * w_min).sum(-1)  # [..., n*S, Hkv, G]
+    scores = largest_split(scores, splits, -3)  # [..., n, Hkv, G]
     logits = scores.movedim(-3, -1) * scale[..., None, None, None]
     return torch.log_softmax(logits.masked_fill(past[..., None, None, :], float("-inf")), dim=-1)
 
@@ -94,15 +109,16 @@ def group_logsumexp(logp: torch.Tensor) -> torch.Tensor:
 
 def aggregated_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                       past: torch.Tensor, scale: torch.Tensor, aggregation: str,
-                      alpha: float = 1.0) -> torch.Tensor:
+                      alpha: float = 1.0, splits: int = 1) -> torch.Tensor:
     """GQA-aware block scores: each query head h of a KV head's group scores the blocks by its
     own bound, normalises them into a distribution over the request's blocks (softmax at the
     attention scale, so that a head with large norms does not decide for the group), and the
     group combines them: softmax-sum, the sum of the heads' probabilities; softmax-max, the
     largest. Returned as logs (log of the sum, log of the max: the same ranking, and no ties
     where a probability underflows to 0); -inf past a request's blocks. q [..., H, d],
-    kmin/kmax [..., n, Hkv, d], past [..., n], scale [...] -> [..., Hkv, n]."""
-    logp = head_log_probs(kmin, kmax, *head_weights(q, kmin.shape[-2], alpha), past, scale)
+    kmin/kmax [..., n*splits, Hkv, d], past [..., n], scale [...] -> [..., Hkv, n]."""
+    logp = head_log_probs(kmin, kmax, *head_weights(q, kmin.shape[-2], alpha), past, scale,
+                          splits)
     if aggregation == "softmax-sum":
         return group_logsumexp(logp)
     if aggregation == "softmax-max":

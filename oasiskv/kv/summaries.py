@@ -1,11 +1,23 @@
-"""Compressed keys: per block and KV head, the elementwise min and max of its post-RoPE keys."""
+"""Compressed keys: per block and KV head, the elementwise min and max of its post-RoPE keys
+(with summary_splits = S, of each of its S sub-blocks of B/S tokens: S summary rows per block,
+block b's at rows b*S .. b*S+S-1, so that S = 1 is one row per block)."""
 
 import torch
 
 
-def summarize(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys [..., Hkv, n, B, d] (n whole blocks) -> kmin, kmax, each [..., n, Hkv, d]."""
+def summarize(keys: torch.Tensor, splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [..., Hkv, n, B, d] (n whole blocks) -> kmin, kmax, each [..., n*splits, Hkv, d]:
+    one row per B/splits-token sub-block, a block's in token order."""
+    if splits > 1:  # [..., Hkv, n*splits, B/splits, d]: a view of contiguous keys
+        keys = keys.unflatten(-2, (splits, -1)).flatten(-4, -3)
     return keys.amin(dim=-2).transpose(-3, -2), keys.amax(dim=-2).transpose(-3, -2)
+
+
+def summary_rows(ids: torch.Tensor, splits: int) -> torch.Tensor:
+    """Summary ids [n] -> their summary rows [n*splits] (each id's sub-blocks in order)."""
+    if splits == 1:
+        return ids
+    return (ids[:, None] * splits + torch.arange(splits, device=ids.device)).flatten()
 
 
 def round_outward(kmin: torch.Tensor, kmax: torch.Tensor,

@@ -19,7 +19,7 @@ from oasiskv.kv.select import (
     summary_weights,
     weighted_scores,
 )
-from oasiskv.kv.summaries import dequantize_keys
+from oasiskv.kv.summaries import dequantize_keys, summary_rows
 
 if TYPE_CHECKING:
     from oasiskv.kv.residency import SparseKV, StepDecode
@@ -35,15 +35,17 @@ def pinned_blocks(lengths: torch.Tensor, n: int, sink: int, recent: int) -> torc
 
 def requests_view(pool: torch.Tensor, requests: int, n: int, stride: int,
                   first: int) -> torch.Tensor:
-    """Summaries [layers, ids, Hkv, d] of requests whose runs of n ids lie `stride` ids apart
-    from id `first`, as one view [layers, requests, n, Hkv, d] (no copy)."""
+    """Summaries [layers, rows, Hkv, d] of requests whose runs of n rows lie `stride` rows
+    apart from row `first`, as one view [layers, requests, n, Hkv, d] (no copy). With
+    summary_splits S a request's n blocks are n*S rows (`summaries.summary_rows`)."""
     inner = pool.stride(1)
     return pool.as_strided((pool.shape[0], requests, n, *pool.shape[2:]),
                            (pool.stride(0), stride * inner, *pool.stride()[1:]),
                            pool.storage_offset() + first * inner)
 
 
-def warm_up_scores(kmin: torch.Tensor, aggregation: str = "sum", group: int = 1) -> None:
+def warm_up_scores(kmin: torch.Tensor, aggregation: str = "sum", group: int = 1,
+                   splits: int = 1) -> None:
     """Compiles the block scoring (`weighted_scores`) for the shapes selections pass: one layer
     (a request's first step, a per-layer job) or a run of layers (sync's step end), a batch's
     summaries as one strided view or one request's alone; so that no request's step waits for
@@ -51,25 +53,28 @@ def warm_up_scores(kmin: torch.Tensor, aggregation: str = "sum", group: int = 1)
     mode, aliasing and equal sizes are all guards of the compiled code, so the inputs are views
     of normal tensors taken in inference mode, as in a step, with sizes unlike each other.
     With a score aggregation other than sum, its per-head scoring (`aggregated_scores`) instead,
-    for queries of `group` heads per KV head (a size of 1 is a guard too)."""
+    for queries of `group` heads per KV head (a size of 1 is a guard too), and `splits`
+    summary rows per block (summary_splits)."""
     L, _, hkv, d = kmin.shape
-    pools = [torch.zeros(L, 61, hkv, d, dtype=kmin.dtype, device=kmin.device)
+    S = splits
+    pools = [torch.zeros(L, 61 * S, hkv, d, dtype=kmin.dtype, device=kmin.device)
              for _ in range(2)]  # 61 ids a layer: not a multiple of the requests' stride
     with torch.inference_mode():
         for layers in sorted({1, L}):
-            batch = [requests_view(x[:layers], 5, 7, 11, 0) for x in pools]  # 5 x 7 ids, 11 apart
-            for lo, hi in (batch, [x[:layers, :7] for x in pools]):
+            # 5 x 7 ids, 11 apart
+            batch = [requests_view(x[:layers], 5, 7 * S, 11 * S, 0) for x in pools]
+            for lo, hi in (batch, [x[:layers, :7 * S] for x in pools]):
                 q = torch.zeros(*lo.shape[:-3], hkv * group, d, device=kmin.device)
                 if aggregation == "sum":
-                    weighted_scores(lo, hi, *summary_weights(q, hkv))
+                    weighted_scores(lo, hi, *summary_weights(q, hkv), S)
                     continue
-                past = torch.zeros(lo.shape[:-2], dtype=torch.bool, device=kmin.device)
+                past = torch.zeros((*lo.shape[:-3], 7), dtype=torch.bool, device=kmin.device)
                 scale = torch.ones(lo.shape[:-3], device=kmin.device)
                 if lo.dim() == 5:  # the batch view: scales [layers, 1], past [R, n]
                     past, scale = past[0], scale[:, :1]
                 else:  # one request: scales [layers], past [n]
                     past = past[0]
-                aggregated_scores(q, lo, hi, past, scale, aggregation)
+                aggregated_scores(q, lo, hi, past, scale, aggregation, 1.0, S)
 
 
 class SelectJob:
@@ -128,40 +133,40 @@ class SelectJob:
     def _summary_scores(self, n: int) -> torch.Tensor:
         """Each request's block scores over its complete blocks' summaries in each layer:
         [layers, R, Hkv, n], -inf past a request's blocks."""
-        kv, R = self.kv, len(self.picks)
-        kmin, kmax = kv.kmin[self.run], kv.kmax[self.run]  # [layers, summary ids, Hkv, d]
+        kv, R, S = self.kv, len(self.picks), self.kv.cfg.summary_splits
+        kmin, kmax = kv.kmin[self.run], kv.kmax[self.run]  # [layers, summary ids * S, Hkv, d]
         hkv, alpha = kmin.shape[2], kv.cfg.score_alpha
-        stride = self._summary_stride(n, kmin.shape[1])
+        stride = self._summary_stride(n, kmin.shape[1] // S)
         aggregation = kv.cfg.score_aggregation
         scales = self._scales(kmin)  # [layers]
         if stride:  # equal strides: the batch's summaries are one view, scored in one call
             first = self.picks[0][0].summary_start
-            lo, hi = (requests_view(x, R, n, stride, first) for x in (kmin, kmax))
+            lo, hi = (requests_view(x, R, n * S, stride * S, first * S) for x in (kmin, kmax))
             queries = torch.stack([q for _, q in self.picks], 1)  # [layers, R, H, d]
             past = torch.arange(n)[None, :] >= self.lengths[:, None]  # another request's
             if aggregation != "sum":  # per query head, normalised over each request's blocks
                 return aggregated_scores(queries, lo, hi, past, scales[:, None], aggregation,
-                                         alpha)
+                                         alpha, S)
             weights = summary_weights(queries, hkv, alpha)
-            scores = weighted_scores(lo, hi, *weights)  # weights [layers, R, Hkv, d]
+            scores = weighted_scores(lo, hi, *weights, S)  # weights [layers, R, Hkv, d]
             return scores.masked_fill_(past[:, None, :], float("-inf"))
         scores = torch.full((len(self.layers), R, hkv, n), float("-inf"))
         for r, (d, q) in enumerate(self.picks):
+            m = len(d.summary_ids)
             if d.summary_start is not None:  # one run of summaries: a view, no gather
-                run = slice(d.summary_start, d.summary_start + len(d.summary_ids))
+                run = slice(d.summary_start * S, (d.summary_start + m) * S)
                 lo, hi = kmin[:, run], kmax[:, run]
             else:
-                lo = kmin.index_select(1, d.summary_ids)
-                hi = kmax.index_select(1, d.summary_ids)
+                rows = summary_rows(d.summary_ids, S)
+                lo, hi = kmin.index_select(1, rows), kmax.index_select(1, rows)
             # the request's own weights [layers, Hkv, d], strided as warm_up_scores compiled
             # for (a slice of the batch's would not be)
             if aggregation != "sum":
-                past = torch.zeros(len(d.summary_ids), dtype=torch.bool)
-                scores[:, r, :, :len(d.summary_ids)] = aggregated_scores(
-                    q, lo, hi, past, scales, aggregation, alpha)
+                past = torch.zeros(m, dtype=torch.bool)
+                scores[:, r, :, :m] = aggregated_scores(q, lo, hi, past, scales, aggregation,
+                                                        alpha, S)
                 continue
-            scores[:, r, :, :len(d.summary_ids)] = weighted_scores(
-                lo, hi, *summary_weights(q, hkv, alpha))
+            scores[:, r, :, :m] = weighted_scores(lo, hi, *summary_weights(q, hkv, alpha), S)
         return scores
 
     def _scales(self, kmin: torch.Tensor) -> torch.Tensor:

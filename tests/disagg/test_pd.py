@@ -62,6 +62,34 @@ def test_half_summaries_halve_their_share_of_the_hand_over(tiny_llama):
     assert metadata["float16"] == (metadata["float32"][0] // 2, torch.float16)
 
 
+def test_split_summaries_travel_with_the_hand_over(tiny_llama):
+    """summary_splits=2: the hand-over carries both sub-block summaries of every complete
+    block (twice the rows of one summary per block) and the decode worker continues as one
+    engine with the same setting would; workers that disagree are refused at construction."""
+    prompts = prompts_of([230, 180], seed=4)
+    want = single_node(tiny_llama, prompts, summary_splits=2)
+    rows = {}
+    for splits in (1, 2):
+        pd = DisaggregatedLLM(str(tiny_llama), transfer="partial", summary_splits=splits,
+                              **SPARSE)
+        got = pd.generate(prompts, GREEDY, use_tqdm=False)
+        if splits == 2:
+            assert [o.token_ids for o in got] == want
+        h = next(iter(pd.handoffs.values()))
+        assert h.summary_splits == splits
+        rows[splits] = h.kmin.shape[1], h.num_computed_tokens // B
+        pd.close()
+    assert rows[2] == (2 * rows[1][0], rows[1][1]) and rows[1][0] == rows[1][1]
+    with pytest.raises(ValueError, match="summary_splits must be the same on both workers, "
+                                         "got prefill 1, decode 2"):
+        DisaggregatedLLM(str(tiny_llama), decode={"summary_splits": 2}, **SPARSE)
+    other = LLM(str(tiny_llama), **SPARSE, remote_store="inprocess", summary_splits=4)
+    with pytest.raises(ValueError, match="has summary_splits 2, this engine's is 4"):
+        other.engine.add_handoff(h, GREEDY)  # the last hand-over: splits 2
+    assert not other.engine.has_unfinished()
+    other.close()
+
+
 def record_admissions(pd: DisaggregatedLLM) -> list[tuple]:
     """Per admission of the decode worker: (namespace, keys it read, prompt blocks on its
     host, each working-set (layer, slot, head) of its slab [n, 2, B, d], the same blocks'

@@ -173,6 +173,36 @@ def test_normal_logits_do_not_change_with_draft_rows(llm):
         engine.abort(seq.request_id)
 
 
+def test_exact_sets_with_summary_splits_are_the_top_k_of_the_split_bound(llm):
+    """summary_splits=2 (the engine's setting, as `run_recall` passes it): the probe's
+    summaries are each 8-token half-block's min/max, and its exact sets the top-K of the
+    largest half-block bound per block (the group's Quest bounds summed), by hand."""
+    engine = llm.engine
+    seq, _ = prefill(engine, prompt_ids(), 8)
+    try:
+        probe = RecallProbe(engine.runner.model, engine.runner.device_kv, seq, 16, [4], False,
+                            Totals(2), summary_splits=2)
+        probe.prefill_summaries(seq.num_prompt_tokens)
+        n = CONTEXT // 16
+        pos = seq.num_computed_tokens  # the first token's K/V is not written: no block fills
+        probe.begin_step(pos, {}, {}, {}, predict=False, score=False)
+        for layer in range(2):
+            keys = probe.keys(layer, 0, n * 16).unflatten(1, (n, 2, 8))  # [Hkv, n, 2, 8, d]
+            kmin, kmax = probe.summaries(layer, n)  # [n*2, Hkv, d]
+            assert torch.equal(kmin, keys.amin(3).flatten(1, 2).transpose(0, 1))
+            assert torch.equal(kmax, keys.amax(3).flatten(1, 2).transpose(0, 1))
+            q = torch.randn(1, 4, keys.shape[-1])  # [N, H, d]: 2 query heads per KV head
+            probe.prepare_layer(layer, q)
+            qg = q[0].view(2, 2, 1, 1, 1, -1)  # [Hkv, G, 1, 1, 1, d]
+            bound = torch.maximum(qg * keys.amin(3)[:, None, :, :, None],
+                                  qg * keys.amax(3)[:, None, :, :, None]).sum(-1)
+            want = bound.squeeze(-1).sum(1).amax(-1).topk(4).indices  # [Hkv, 4]
+            got = probe.last_exact[layer][4]
+            assert all(set(got[g].tolist()) == set(want[g].tolist()) for g in range(2))
+    finally:
+        engine.abort(seq.request_id)
+
+
 # ---- the figures on hand-made sets -----------------------------------------------------------
 
 def test_totals_average_per_layer_and_take_the_churn_percentile():
