@@ -268,6 +268,8 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
                    "compare: host, int8)")
     p.add_argument("--dense-layers", default="0",
                    help="sparse: first layers kept dense (values to compare, e.g. 0,1,2)")
+    p.add_argument("--summary-splits", default="1",
+                   help="sparse: min/max summaries per block (values to compare, e.g. 1,2)")
     p.add_argument("--sink-blocks", default="0",
                    help="sparse: first blocks always kept (values to compare, e.g. 0,4)")
     p.add_argument("--recent-blocks", default="0",

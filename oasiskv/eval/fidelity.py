@@ -110,11 +110,12 @@ def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
                   summary_dtypes: tuple[str, ...] = ("auto",),
                   aggregations: tuple[str, ...] = (DEFAULT_AGGREGATION,),
                   rerank_sources: tuple[str, ...] = ("host",),
-                  dense_layers: tuple[int, ...] = (0,)) -> list[Setting]:
+                  extra: dict[str, tuple] | None = None) -> list[Setting]:
     """dense, then every sparse combination. With token budgets, K = budget / B for each block
     size B instead of top_ks: finer blocks at the same resident tokens. Only lookahead drafts,
     so the other predictors take one forced_drafts value; only a rerank reads keys, so
-    rerank=0 takes the host (no keys read)."""
+    rerank=0 takes the host (no keys read). `extra`: other CacheConfig fields and the values
+    to compare (each combination a setting; a default value stays out of its name)."""
     bad = [m for m in kv_modes if m not in ("dense", "sparse")]
     if bad or not kv_modes:
         raise ValueError(f"--kv-mode takes dense and/or sparse, got {kv_modes}")
@@ -134,8 +135,12 @@ def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
                   for c in reranks for src in (rerank_sources if c else ("host",))
                   for d in (forced_drafts if p == "lookahead" else forced_drafts[:1])
                   for u in summary_dtypes]
-        out += [dataclasses.replace(x, options=(("dense_layers", n),) if n else ())
-                for x in sparse for n in dense_layers]
+        fields = list(extra or {})
+        defaults = {f: getattr(CacheConfig, f) for f in fields}
+        out += [dataclasses.replace(x, options=tuple((f, v) for f, v in zip(fields, values,
+                                                                            strict=True)
+                                                     if v != defaults[f]))
+                for x in sparse for values in itertools.product(*(extra or {}).values())]
     return out
 
 
@@ -315,7 +320,8 @@ def settings_from_args(args: argparse.Namespace) -> list[Setting]:
                          parse_list(args.summary_dtype, str),
                          parse_list(args.score_aggregation, str),
                          parse_list(args.rerank_source, str),
-                         parse_list(args.dense_layers))
+                         {"dense_layers": parse_list(args.dense_layers),
+                          "summary_splits": parse_list(args.summary_splits)})
 
 
 def setting_engines(args: argparse.Namespace, settings: list[Setting],

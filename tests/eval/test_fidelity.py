@@ -117,10 +117,13 @@ def test_scoring_options_are_their_own_columns():
     assert [(s.engine_kwargs()["score_aggregation"], s.engine_kwargs()["rerank_source"])
             for s in settings[3:]] == [("softmax-sum", "host"), ("softmax-sum", "host"),
                                        ("softmax-sum", "int8")]
-    layers = settings_from(["dense", "sparse"], ["lookahead"], [128], dense_layers=[0, 2])
+    layers = settings_from(["dense", "sparse"], ["lookahead"], [128],
+                           extra={"dense_layers": [0, 2], "summary_splits": [1, 2]})
     assert [s.name for s in layers] == ["dense", "sparse K=128 lookahead",
-                                        "sparse K=128 lookahead dense_layers=2"]
-    assert [s.engine_kwargs().get("dense_layers", 0) for s in layers[1:]] == [0, 2]
+                                        "sparse K=128 lookahead summary_splits=2",
+                                        "sparse K=128 lookahead dense_layers=2",
+                                        "sparse K=128 lookahead dense_layers=2 summary_splits=2"]
+    assert [s.engine_kwargs().get("dense_layers", 0) for s in layers[1:]] == [0, 0, 2, 2]
     only_int8 = settings_from(["sparse"], ["lookahead"], [128], reranks=[0.0, 2.0],
                               rerank_sources=["int8"])
     assert [s.name for s in only_int8] == ["sparse K=128 lookahead",
