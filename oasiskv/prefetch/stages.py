@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from oasiskv.kv.rerank import rerank_layers
 from oasiskv.kv.select import (
     aggregated_scores,
     block_mass,
-    rerank_by_mass,
     select_capped_lru_batch,
     summary_weights,
     weighted_scores,
 )
-from oasiskv.kv.summaries import dequantize_keys, summary_rows
+from oasiskv.kv.summaries import summary_rows
 
 if TYPE_CHECKING:
     from oasiskv.kv.residency import SparseKV, StepDecode
@@ -178,34 +178,16 @@ class SelectJob:
     def _rerank(self, scores: torch.Tensor) -> torch.Tensor:
         """The best rerank*K blocks by summary score, re-scored by the predicting query's
         attention over their keys in the host tier (one node: a summary id is a host block)
-        or the device's int8 copy, layer by layer: [layers, R, Hkv, n]."""
+        or the device's int8 copy, all the job's layers at once: [layers, R, Hkv, n]."""
         kv, B = self.kv, self.kv.cfg.block_size
         c = math.ceil(kv.cfg.rerank * kv.cfg.top_k)
         queries = torch.stack([q for _, q in self.picks], 1)  # [layers, R, H, d]
-        return torch.stack([rerank_by_mass(
-            scores[j], queries[j], lambda cand, layer=layer: self._candidate_keys(layer, cand),
-            kv.scales[layer], B, c) for j, layer in enumerate(self.layers)])
-
-    def _candidate_keys(self, layer: int, candidates: torch.Tensor) -> torch.Tensor:
-        """Host keys of candidate blocks [R, Hkv, c] -> [R, Hkv, c*B, d]: whole blocks as
-        rows, one head at a time (3x faster than a gather of tokens). rerank_source=int8:
-        the device's int8 copy of them, dequantized."""
-        B = self.kv.cfg.block_size
-        if self.kv.key_codes is not None:  # whole blocks as rows too, one head at a time
-            R, hkv, c = candidates.shape
-            codes = self.kv.key_codes[layer].flatten(2)  # [ids, Hkv, B*d]
-            scales = self.kv.key_scales[layer]  # [ids, Hkv]
-            out = []
-            for h in range(hkv):
-                ids = self.ids.gather(1, candidates[:, h]).flatten()  # [R*c] summary ids
-                out.append(dequantize_keys(codes[:, h].index_select(0, ids).view(R, c, B, -1),
-                                           scales[:, h].index_select(0, ids).view(R, c)))
-            return torch.stack(out, 1).flatten(2, 3)  # [R, Hkv, c*B, d]
-        blocks = self.kv.host_kv[layer, 0].unflatten(1, (-1, B)).flatten(2)  # [Hkv, n, B*d]
-        R, hkv, c = candidates.shape
-        return torch.stack([blocks[h].index_select(0, self.ids.gather(1, candidates[:, h])
-                                                   .flatten()).view(R, c * B, -1)
-                            for h in range(hkv)], 1)
+        scales = torch.tensor([kv.scales[layer] for layer in self.layers])
+        if kv.key_codes is not None:  # [layers, summary ids, Hkv, B, d], scales [.., Hkv]
+            return rerank_layers(scores, queries, scales, c, self.ids, kv.key_codes[self.run],
+                                 kv.key_scales[self.run])
+        keys = kv.host_kv[self.run, 0].unflatten(2, (-1, B)).transpose(1, 2)  # [.., n, Hkv, B, d]
+        return rerank_layers(scores, queries, scales, c, self.ids, keys)
 
     def _attention_mass(self, n: int) -> torch.Tensor:
         """oracle: each complete block's share of the step's true attention (over complete

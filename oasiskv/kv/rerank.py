@@ -1,0 +1,84 @@
+"""The rerank's second stage, batched: each KV head's best c blocks by summary score are
+re-scored by the predicting query's softmax attention over their keys (the mass the `oracle`
+ranks by, within the candidates), for a run of layers and a batch of requests at once.
+
+The keys are gathered as whole blocks, one row per (layer, block, KV head), in one index op
+over a flat view of the pool: the int8 copy's codes with their per-block scales, or the host
+tier's float keys. The scoring is one compiled pass over the gathered keys (int8 codes are
+converted in registers, never dequantized into a float copy) that leaves only per-block
+logsumexps behind; the block scale multiplies the logits, not the keys.
+`select.rerank_by_mass` is the reference it matches (tests/kv/test_rerank.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from oasiskv.compiled import compiled
+
+
+@compiled
+def candidate_mass(pool: torch.Tensor, rows: torch.Tensor, block_scale: torch.Tensor,
+                   q: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """pool [rows, B, d] a flat view of the keys (int8 codes or float keys), rows [..., c]
+    each candidate's row in it, block_scale [..., c] (the int8 scale times the attention
+    scale; for float keys the attention scale), q [..., G, d] (float32), real [..., c] False
+    for a candidate past the request's blocks -> each candidate's share of q's softmax
+    attention over the real candidates' keys, summed over its B tokens and the G query
+    heads: [..., c], -inf where not real."""
+    # fp32 products of bf16 keys: exact (select.rerank_by_mass's bf16 matmul rounds its
+    # logits to bf16; inductor would not keep such a rounding anyway).
+    # Compiled: the gather is fused into one pass over the candidates' keys (G products per
+    # element, reduced over d, as head_log_probs), which leaves only the logits behind; a
+    # gathered copy first (141 MB of int8 a step at SmolLM2's 7K x 6) costs more than the
+    # scoring itself.
+    keys = pool[rows]  # [..., c, B, d]
+    logits = (keys.float()[..., None, :] * q[..., None, None, :, :]).sum(-1)  # [..., c, B, G]
+    logits = logits * block_scale[..., None, None]
+    lse = torch.logsumexp(logits, dim=-2)  # [..., c, G] each block's, per query head
+    lse = lse.masked_fill(~real[..., None], float("-inf"))
+    # per query head normalised over the candidates (as its softmax is), then summed
+    mass = torch.exp(lse - torch.logsumexp(lse, dim=-2, keepdim=True)).sum(-1)  # [..., c]
+    return mass.masked_fill(~real, float("-inf"))
+
+
+def flat_blocks(keys: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """keys [layers, ids, Hkv, B, d] with each block's B*d elements contiguous (any strides
+    above: a slice of a pool, a transposed view, an expanded one) -> the same storage as
+    rows [rows, B, d] (no copy) and the row strides of (layer, id, head)."""
+    _, _, _, B, d = keys.shape
+    if keys.stride()[3:] != (d, 1):
+        raise ValueError(f"a key block's B x d elements must be contiguous, got strides "
+                         f"{keys.stride()}")
+    offset = keys.storage_offset()
+    if any(s % (B * d) for s in (*keys.stride()[:3], offset)):
+        raise ValueError("key blocks must start at multiples of B*d elements")
+    rows = (keys.untyped_storage().nbytes() // keys.element_size() - offset) // (B * d)
+    flat = keys.as_strided((rows, B, d), (B * d, d, 1), offset)
+    return flat, tuple(s // (B * d) for s in keys.stride()[:3])
+
+
+def rerank_layers(scores: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, c: int,
+                  ids: torch.Tensor, keys: torch.Tensor,
+                  key_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores [layers, R, Hkv, n] (-inf past a request's blocks) -> each KV head's best c
+    blocks re-scored by their attention mass (`candidate_mass`), -inf elsewhere. q
+    [layers, R, H, d]; scale [layers] the attention scales; ids [R, n] the requests' summary
+    ids (where block i of request r lies in keys); keys [layers, ids, Hkv, B, d] (the int8
+    copy's codes, or float keys) with key_scales [layers, ids, Hkv] for int8 codes."""
+    top = torch.topk(scores, min(c, scores.shape[-1]), dim=-1)  # [layers, R, Hkv, c]
+    L, R, hkv, _ = top.indices.shape
+    pool, (layer_stride, id_stride, head_stride) = flat_blocks(keys)
+    dev = keys.device
+    chosen = ids.to(dev)[None, :, None, :].expand(L, R, hkv, -1).gather(
+        -1, top.indices.to(dev))  # [layers, R, Hkv, c] summary ids
+    j = torch.arange(L, device=dev)[:, None, None, None]
+    h = torch.arange(hkv, device=dev)[None, None, :, None]
+    rows = j * layer_stride + h * head_stride + chosen * id_stride
+    qg = q.to(dev).reshape(L, R, hkv, -1, q.shape[-1])  # [layers, R, Hkv, G, d]
+    block_scale = scale.to(dev, torch.float32)[:, None, None, None].expand(top.indices.shape)
+    if key_scales is not None:
+        block_scale = key_scales[j, chosen, h] * block_scale
+    mass = candidate_mass(pool, rows, block_scale.contiguous(), qg.float().contiguous(),
+                          (top.values > float("-inf")).to(dev))
+    return torch.full_like(scores, float("-inf")).scatter_(-1, top.indices,
+                                                           mass.to(scores))

@@ -1,0 +1,72 @@
+"""The batched second stage of rerank (`kv/rerank.rerank_layers`, what SelectJob runs)
+against the reference: `select.rerank_by_mass` layer by layer over keys gathered and
+dequantized one block at a time by indexing. Continuous random data (no ties); several
+requests and layers, requests with fewer blocks than the candidates (-inf padding), the
+requests' blocks scattered over the pool, float32 and bf16 host keys and the int8 copy."""
+
+import pytest
+import torch
+
+from oasiskv.kv.rerank import rerank_layers
+from oasiskv.kv.select import rerank_by_mass
+from oasiskv.kv.summaries import dequantize_keys, quantize_keys
+
+L, R, HKV, G, B, D, IDS, N, C, K = 3, 3, 2, 3, 16, 32, 90, 24, 12, 5
+
+
+def case(dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    host_kv = torch.randn(L, 2, HKV, IDS * B, D, generator=g).to(dtype)  # [L, 2, Hkv, slots, d]
+    ids = torch.randperm(IDS, generator=g)[:R * N].view(R, N)  # [R, n] scattered summary ids
+    q = torch.randn(L, R, HKV * G, D, generator=g) * 2
+    scores = torch.randn(L, R, HKV, N, generator=g)
+    scores[:, 1, :, 7:] = float("-inf")  # request 1 has 7 blocks (< C: -inf candidates)
+    scores[:, 2, :, 20:] = float("-inf")
+    scales = torch.tensor([D ** -0.5, 0.1, 0.3])
+    return host_kv, ids, q, scores, scales
+
+
+def reference(host_kv, ids, q, scores, scales, int8):
+    """rerank_by_mass per layer, keys indexed per (request, head, candidate)."""
+    keys = host_kv[:, 0].unflatten(2, (-1, B))  # [L, Hkv, ids, B, d]
+    codes, kscales = quantize_keys(keys)  # [L, ids, Hkv, B, d], [L, ids, Hkv]
+    out = []
+    for j in range(L):
+        def keys_of(cand, j=j):  # [R, Hkv, c] -> [R, Hkv, c*B, d]
+            blocks = ids.gather(1, cand.flatten(1)).view(cand.shape)  # summary ids
+            heads = torch.arange(HKV)[None, :, None]
+            if int8:
+                return dequantize_keys(codes[j, blocks, heads],
+                                       kscales[j, blocks, heads]).flatten(2, 3)
+            return keys[j, heads, blocks].float().flatten(2, 3)  # fp32 products, as ours
+        out.append(rerank_by_mass(scores[j], q[j], keys_of, float(scales[j]), B, C))
+    return torch.stack(out), codes, kscales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_batched_rerank_picks_the_references_blocks(dtype, int8, seed):
+    host_kv, ids, q, scores, scales = case(dtype, seed)
+    want, codes, kscales = reference(host_kv, ids, q, scores, scales, int8)
+    with torch.inference_mode():
+        if int8:
+            got = rerank_layers(scores, q, scales, C, ids, codes, kscales)
+        else:  # the host tier's keys as SelectJob passes them: a transposed view
+            keys = host_kv[:, 0].unflatten(2, (-1, B)).transpose(1, 2)  # [L, ids, Hkv, B, d]
+            got = rerank_layers(scores, q, scales, C, ids, keys)
+    assert torch.equal(got == float("-inf"), want == float("-inf"))  # same candidates
+    real = want > float("-inf")
+    assert torch.allclose(got[real], want[real], rtol=1e-4, atol=1e-6)
+    # what the selection keeps: each head's top K (request 1 has only 7 blocks in all)
+    k = torch.topk(want, K, dim=-1)
+    assert torch.equal(torch.topk(got, K, dim=-1).indices.sort(-1).values,
+                       k.indices.sort(-1).values)
+    assert (k.values[:, 1] > float("-inf")).all()
+
+
+def test_keys_whose_blocks_are_not_contiguous_are_a_clear_error():
+    host_kv, ids, q, scores, scales = case(torch.float32, 0)
+    keys = host_kv[:, 0].unflatten(2, (-1, B)).transpose(1, 2).transpose(3, 4)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        rerank_layers(scores, q, scales, C, ids, keys)
