@@ -9,20 +9,21 @@ Prints each variant's median over interleaved repeats and its ratio to the first
 group: the summary scoring (sum, softmax-sum, softmax-max; and with summary_splits=2, two
 8-token sub-block summaries per block, sum and softmax-sum) and the rerank's second stage
 (rerank=2 at top_k=128: 256 candidate blocks per KV head, keys from the host tier or from the
-int8 copy). Absolute CPU times are noisy; compare ratios from one run."""
+int8 copy; the engine's batched `rerank_layers` beside the per-layer reference it replaced).
+Absolute CPU times are noisy; compare ratios from one run."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
-from types import SimpleNamespace
 
 import torch
 
+from oasiskv.kv.rerank import rerank_layers
 from oasiskv.kv.select import aggregated_scores, rerank_by_mass, summary_weights, weighted_scores
-from oasiskv.kv.summaries import quantize_keys
-from oasiskv.prefetch.stages import SelectJob, requests_view
+from oasiskv.kv.summaries import dequantize_keys, quantize_keys
+from oasiskv.prefetch.stages import requests_view
 
 L, H, HKV, D, N, R, B, K = 30, 9, 3, 64, 448, 6, 16, 128
 
@@ -87,30 +88,40 @@ def main() -> None:
     report(f"summary scoring, {L} layers x {R} requests x {N} blocks:",
            timed(scoring, args.repeats))
 
-    # the rerank's second stage, through SelectJob._candidate_keys as the engine runs it
-    # one layer's data seen by every layer (expanded views: 33 MB, not 2 GB)
+    # the rerank's second stage: the engine's (kv/rerank.rerank_layers, what SelectJob._rerank
+    # calls, all layers at once) beside the reference it replaced (select.rerank_by_mass
+    # layer by layer over keys gathered per head, the int8 copy dequantized).
+    # One layer's data seen by every layer (expanded views: 33 MB, not 2 GB)
     host_kv = torch.randn(1, 1, HKV, R * stride * B, D)
     codes, kscales = quantize_keys(host_kv[:, 0].unflatten(2, (-1, B)))  # [1, ids, Hkv, ...]
-    host_kv, codes, kscales = (x.expand(L, *x.shape[1:]) for x in (
-        host_kv.expand(-1, 2, -1, -1, -1), codes, kscales))
+    codes, kscales = (x.expand(L, *x.shape[1:]) for x in (codes, kscales))
+    host_keys = host_kv[:, 0].unflatten(2, (-1, B)).transpose(1, 2).expand(L, -1, -1, -1, -1)
     ids = torch.arange(R)[:, None] * stride + torch.arange(N)  # [R, N] summary ids
-    jobs = {}
-    for source, (c, s) in (("host", (None, None)), ("int8", (codes, kscales))):
-        job = SelectJob.__new__(SelectJob)
-        job.kv = SimpleNamespace(cfg=SimpleNamespace(block_size=B), host_kv=host_kv,
-                                 key_codes=c, key_scales=s)
-        job.ids = ids
-        jobs[source] = job
     first = summed()  # [L, R, Hkv, N]
+    layer_scales = torch.full((L,), D ** -0.5)
 
-    def rerank(job: SelectJob) -> None:
+    def reference(int8: bool) -> None:
+        blocks = host_kv[0, 0].unflatten(1, (-1, B)).flatten(2)  # [Hkv, ids, B*d]
         for layer in range(L):
-            rerank_by_mass(first[layer], q[layer], lambda cand, layer=layer:
-                           job._candidate_keys(layer, cand), D ** -0.5, B, 2 * K)
+            def keys_of(cand: torch.Tensor) -> torch.Tensor:  # [R, Hkv, c] -> [R, Hkv, c*B, d]
+                out = []
+                for h in range(HKV):
+                    rows = ids.gather(1, cand[:, h]).flatten()
+                    if int8:
+                        out.append(dequantize_keys(
+                            codes[0, :, h].index_select(0, rows).view(R, -1, B, D),
+                            kscales[0, :, h].index_select(0, rows).view(R, -1)).flatten(1, 2))
+                    else:
+                        out.append(blocks[h].index_select(0, rows).view(R, -1, D))
+                return torch.stack(out, 1)
+            rerank_by_mass(first[layer], q[layer], keys_of, D ** -0.5, B, 2 * K)
 
-    report(f"rerank=2 second stage ({2 * K} candidates per KV head), keys from:",
-           timed({k: lambda j=j: rerank(j) for k, j in jobs.items()}, max(3, args.repeats // 5)))
-
+    report(f"rerank=2 second stage ({2 * K} candidates per KV head), keys from:", timed({
+        "int8 reference": lambda: reference(True),
+        "int8": lambda: rerank_layers(first, q, layer_scales, 2 * K, ids, codes, kscales),
+        "host reference": lambda: reference(False),
+        "host": lambda: rerank_layers(first, q, layer_scales, 2 * K, ids, host_keys),
+    }, max(3, args.repeats // 5)))
 
 if __name__ == "__main__":
     main()

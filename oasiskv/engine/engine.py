@@ -32,6 +32,7 @@ from oasiskv.kv.device_budget import (
     summary_bytes,
 )
 from oasiskv.kv.remote_tier import RemoteTier, open_store
+from oasiskv.kv.rerank import warm_up_rerank
 from oasiskv.kv.residency import SparseKV
 from oasiskv.layers.linear import pack_linears
 from oasiskv.layers.sampler import sample, verify_draft
@@ -190,6 +191,10 @@ class LLMEngine:
             t0 = time.perf_counter()
             warm_up_scores(self.sparse.kmin, cache.score_aggregation,
                            mc.num_heads // mc.num_kv_heads, cache.summary_splits)
+            if cache.rerank:  # its second stage, over the keys it reads
+                keys = (self.sparse.key_codes if cache.key_copy else
+                        self.sparse.host_kv[:, 0].unflatten(2, (-1, block)).transpose(1, 2))
+                warm_up_rerank(keys, mc.num_heads)
             log.info("compiled the block scoring in %.1f s", time.perf_counter() - t0)
         if cache.prefault_kv:
             t0 = time.perf_counter()

@@ -82,3 +82,22 @@ def rerank_layers(scores: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, c:
                           (top.values > float("-inf")).to(dev))
     return torch.full_like(scores, float("-inf")).scatter_(-1, top.indices,
                                                            mass.to(scores))
+
+
+def warm_up_rerank(keys: torch.Tensor, num_heads: int) -> None:
+    """Compiles `candidate_mass` for the shapes selections pass (one layer or a run, one
+    request or several), so that no request's step waits for it. keys: a pool of the kind
+    the rerank reads ([layers, ids, Hkv, B, d]: int8 codes or float keys), as in a step taken
+    in inference mode; a size of 1 is a guard of the compiled code, so both are passed."""
+    L, _, hkv, B, d = keys.shape
+    pool = torch.zeros(L, 9, hkv, B, d, dtype=keys.dtype, device=keys.device)
+    kscales = (torch.ones(L, 9, hkv, device=keys.device)
+               if not keys.is_floating_point() else None)
+    with torch.inference_mode():
+        for layers in sorted({1, L}):
+            for requests in (1, 2):
+                ids = torch.arange(requests * 4).view(requests, 4)
+                scores = torch.randn(layers, requests, hkv, 4)
+                q = torch.zeros(layers, requests, num_heads, d, device=keys.device)
+                rerank_layers(scores, q, torch.ones(layers), 3, ids, pool[:layers],
+                              None if kscales is None else kscales[:layers])
