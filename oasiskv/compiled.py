@@ -17,16 +17,20 @@ import torch
 
 
 class compiled:  # noqa: N801 (used as a decorator)
-    """fn compiled for any shapes (dynamic) at its first call; eager if compiling fails."""
+    """fn compiled for any shapes (dynamic) at its first call; eager if compiling fails:
+    `fallback` where given (the same function written for eager PyTorch: a form that fuses
+    well can build a huge temporary when it runs unfused), else fn itself."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
-        self.eager = fn  # the uncompiled function: the fallback
+    def __init__(self, fn: Callable[..., torch.Tensor],
+                 fallback: Callable[..., torch.Tensor] | None = None) -> None:
+        self.eager = fallback or fn  # what runs uncompiled
+        self._source = fn  # what is compiled
         self._run: Callable[..., torch.Tensor] | None = None
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         if self._run is None:
-            self._run = torch.compile(self.eager, dynamic=True)
+            self._run = torch.compile(self._source, dynamic=True)
         try:
             return self._run(*args)
         except torch._dynamo.exc.BackendCompilerFailed as e:

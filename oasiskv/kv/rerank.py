@@ -16,9 +16,8 @@ import torch
 from oasiskv.compiled import compiled
 
 
-@compiled
-def candidate_mass(pool: torch.Tensor, rows: torch.Tensor, block_scale: torch.Tensor,
-                   q: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+def _fused_mass(pool: torch.Tensor, rows: torch.Tensor, block_scale: torch.Tensor,
+                q: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """pool [rows, B, d] a flat view of the keys (int8 codes or float keys), rows [..., c]
     each candidate's row in it, block_scale [..., c] (the int8 scale times the attention
     scale; for float keys the attention scale), q [..., G, d] (float32), real [..., c] False
@@ -33,12 +32,27 @@ def candidate_mass(pool: torch.Tensor, rows: torch.Tensor, block_scale: torch.Te
     # scoring itself.
     keys = pool[rows]  # [..., c, B, d]
     logits = (keys.float()[..., None, :] * q[..., None, None, :, :]).sum(-1)  # [..., c, B, G]
+    return _mass(logits, block_scale, real)
+
+
+def _matmul_mass(pool: torch.Tensor, rows: torch.Tensor, block_scale: torch.Tensor,
+                 q: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """_fused_mass for eager PyTorch: the gathered keys times q as a matmul (unfused, the
+    broadcast product above would be a [..., c, B, G, d] float32 temporary: GBs)."""
+    logits = torch.matmul(pool[rows].float(), q.transpose(-1, -2)[..., None, :, :])
+    return _mass(logits, block_scale, real)  # [..., c, B, G] above
+
+
+def _mass(logits: torch.Tensor, block_scale: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     logits = logits * block_scale[..., None, None]
     lse = torch.logsumexp(logits, dim=-2)  # [..., c, G] each block's, per query head
     lse = lse.masked_fill(~real[..., None], float("-inf"))
     # per query head normalised over the candidates (as its softmax is), then summed
     mass = torch.exp(lse - torch.logsumexp(lse, dim=-2, keepdim=True)).sum(-1)  # [..., c]
     return mass.masked_fill(~real, float("-inf"))
+
+
+candidate_mass = compiled(_fused_mass, fallback=_matmul_mass)
 
 
 def flat_blocks(keys: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
