@@ -153,6 +153,9 @@ def generate(llm, prompts, params):
     {"score_aggregation": "softmax-sum"},
     {"score_aggregation": "softmax-max", "prefetch": "async"},
     {"rerank": 2, "rerank_source": "int8"},
+    {"summary_splits": 2},
+    {"summary_splits": 2, "score_aggregation": "softmax-sum", "prefetch": "async"},
+    {"summary_splits": 4, "predictor": "exact"},
 ])
 def test_options_with_k_covering_every_block_equal_dense(tiny_llama, options):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)

@@ -177,27 +177,6 @@ def test_engine_summaries_are_each_sub_blocks_min_and_max(tiny_llama):
     llm.close()
 
 
-@pytest.mark.parametrize("options", [
-    {"summary_splits": 2},
-    {"summary_splits": 2, "score_aggregation": "softmax-sum", "prefetch": "async"},
-    {"summary_splits": 4, "predictor": "exact"},
-])
-def test_splits_with_k_covering_every_block_equal_dense(tiny_llama, options):
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    kw = dict(max_num_batched_tokens=48, max_num_seqs=4)
-    dense = LLM(str(tiny_llama), **kw)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, dense.engine.model_config.vocab_size, (n,), generator=g).tolist()
-               for n in (5, 30, 47, 90)]
-    want = [o.token_ids for o in dense.generate(prompts, params, use_tqdm=False)]
-    sparse = LLM(str(tiny_llama), kv_mode="sparse", top_k=16, **kw, **options)  # 256 > 120
-    assert [o.token_ids for o in sparse.generate(prompts, params, use_tqdm=False)] == want
-    stats = sparse.stats()
-    assert stats["sparse_wanted"] == stats["sparse_admitted"] > 0
-    sparse.close()
-    dense.close()
-
-
 @pytest.mark.parametrize("splits", [2, 4])
 def test_each_split_is_charged_to_the_device_budget(tiny_llama, splits):
     """One summary (kmin and kmax, bf16 for fp32 K/V) of a block: 2 x 2 layers x 2 KV heads
