@@ -99,6 +99,24 @@ def resident_share(t: torch.Tensor) -> float:
     return sum(p & 1 for p in pages) / len(pages)
 
 
+def pool_residency(path: str, prefault: bool) -> tuple[list[float | None], bool]:
+    """Run in a fresh process (a long test process's heap may hand back pages that earlier
+    tests touched): right after a sparse engine starts, the resident share of its device and
+    host pools (None for a pinned one) and, with prefault, whether they and the summaries are
+    all zero (read only then: reading maps pages in)."""
+    from oasiskv import LLM
+
+    llm = LLM(path, kv_mode="sparse", top_k=2, device_kv_budget="160MiB",
+              host_kv_budget="128MiB", prefault_kv=prefault)
+    sparse = llm.engine.sparse
+    big = [sparse.device_kv, sparse.host_kv]
+    assert min(p.numel() * p.element_size() for p in big) > 64 * 2**20
+    shares = [None if p.is_pinned() else resident_share(p) for p in big]
+    zero = prefault and not any(p.any() for p in big + [sparse.kmin, sparse.kmax])
+    llm.close()
+    return shares, zero
+
+
 def most_admitted(r: Run) -> int:
     """Most blocks a KV head admitted in one step (the step's completed block aside), once
     capped: every step after a request's first has > top_k blocks to choose from here."""
