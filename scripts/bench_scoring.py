@@ -109,7 +109,7 @@ def main() -> None:
                     rows = ids.gather(1, cand[:, h]).flatten()
                     if int8:
                         out.append(dequantize_keys(
-                            codes[0, :, h].index_select(0, rows).view(R, -1, B, D),
+                            codes[0, :, h].index_select(0, rows).view(R, -1, D, B),
                             kscales[0, :, h].index_select(0, rows).view(R, -1)).flatten(1, 2))
                     else:
                         out.append(blocks[h].index_select(0, rows).view(R, -1, D))

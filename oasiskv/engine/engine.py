@@ -182,7 +182,7 @@ class LLMEngine:
                                            self.model.attention_layers()][n_dense:])
             if cache.key_copy:
                 self.sparse.key_codes = torch.empty(
-                    (*summary[:3], block, mc.head_dim), dtype=torch.int8, device=self.device)
+                    (*summary[:3], mc.head_dim, block), dtype=torch.int8, device=self.device)
                 self.sparse.key_scales = torch.empty(summary[:3], device=self.device)
             dense_kv = allocate_dense_kv(mc, n_dense, split.summary_ids, block, dtype,
                                          self.device)

@@ -42,7 +42,7 @@ def summary_bytes(mc: ModelConfig, dtype: torch.dtype, splits: int = 1) -> int:
 
 
 def key_copy_bytes(mc: ModelConfig, block_size: int) -> int:
-    """Device bytes of one block's int8 key copy (rerank_source=int8): codes [L, Hkv, B, d]
+    """Device bytes of one block's int8 key copy (rerank_source=int8): codes [L, Hkv, d, B]
     and a float32 scale per layer and KV head. Charged with the block's summary."""
     return mc.num_layers * mc.num_kv_heads * (block_size * mc.head_dim + 4)
 

@@ -5,8 +5,11 @@ ranks by, within the candidates), for a run of layers and a batch of requests at
 The keys are gathered as whole blocks, one row per (layer, block, KV head), in one index op
 over a flat view of the pool: the int8 copy's codes with their per-block scales, or the host
 tier's float keys. The scoring is one compiled pass over the gathered keys (int8 codes are
-converted in registers, never dequantized into a float copy) that leaves only per-block
-logsumexps behind; the block scale multiplies the logits, not the keys.
+converted in registers, never dequantized into a float copy) that leaves only the logits
+behind; the block scale multiplies the logits, not the keys. The int8 copy is dim-major
+([d, B] per block): per dim, one vector of a block's B tokens times each of the G query
+heads' element, G accumulators over d, the form inductor vectorizes best (2.5x the pass over
+[B, d] blocks, whose products reduce across a vector; the host tier's keys have that layout).
 `select.rerank_by_mass` is the reference it matches (tests/kv/test_rerank.py)."""
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from oasiskv.compiled import compiled
 
 def _fused_mass(pool: torch.Tensor, rows: torch.Tensor, block_scale: torch.Tensor,
                 q: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """pool [rows, B, d] a flat view of the keys (int8 codes or float keys), rows [..., c]
+    """pool [rows, B, d] a flat view of the keys (float keys or int8 codes), rows [..., c]
     each candidate's row in it, block_scale [..., c] (the int8 scale times the attention
     scale; for float keys the attention scale), q [..., G, d] (float32), real [..., c] False
     for a candidate past the request's blocks -> each candidate's share of q's softmax
@@ -52,16 +55,34 @@ def _mass(logits: torch.Tensor, block_scale: torch.Tensor, real: torch.Tensor) -
     return mass.masked_fill(~real, float("-inf"))
 
 
+def _fused_mass_codes(codes: torch.Tensor, rows: torch.Tensor, block_scale: torch.Tensor,
+                      q: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """_fused_mass over the int8 copy's dim-major codes [rows, d, B]."""
+    keys = codes[rows].float()  # [..., c, d, B]
+    # one product per query head (unrolled: inductor then keeps G accumulators in one loop
+    # over d, each key vector converted once; as one broadcast product it converts G times)
+    logits = torch.stack([(keys * q[..., None, g, :, None]).sum(-2)
+                          for g in range(q.shape[-2])], -1)  # [..., c, B, G]
+    return _mass(logits, block_scale, real)
+
+
+def _matmul_mass_codes(codes: torch.Tensor, rows: torch.Tensor, block_scale: torch.Tensor,
+                       q: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    logits = torch.matmul(q[..., None, :, :], codes[rows].float())  # [..., c, G, B]
+    return _mass(logits.transpose(-1, -2), block_scale, real)
+
+
 candidate_mass = compiled(_fused_mass, fallback=_matmul_mass)
+candidate_mass_codes = compiled(_fused_mass_codes, fallback=_matmul_mass_codes)
 
 
 def flat_blocks(keys: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """keys [layers, ids, Hkv, B, d] with each block's B*d elements contiguous (any strides
-    above: a slice of a pool, a transposed view, an expanded one) -> the same storage as
-    rows [rows, B, d] (no copy) and the row strides of (layer, id, head)."""
+    """keys [layers, ids, Hkv, B, d] (or [..., d, B]) with each block's B*d elements
+    contiguous (any strides above: a slice of a pool, a transposed view, an expanded one) ->
+    the same storage as rows [rows, B, d] (no copy) and the row strides of (layer, id, head)."""
     _, _, _, B, d = keys.shape
     if keys.stride()[3:] != (d, 1):
-        raise ValueError(f"a key block's B x d elements must be contiguous, got strides "
+        raise ValueError(f"a key block's elements must be contiguous, got strides "
                          f"{keys.stride()}")
     offset = keys.storage_offset()
     if any(s % (B * d) for s in (*keys.stride()[:3], offset)):
@@ -77,8 +98,8 @@ def rerank_layers(scores: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, c:
     """Scores [layers, R, Hkv, n] (-inf past a request's blocks) -> each KV head's best c
     blocks re-scored by their attention mass (`candidate_mass`), -inf elsewhere. q
     [layers, R, H, d]; scale [layers] the attention scales; ids [R, n] the requests' summary
-    ids (where block i of request r lies in keys); keys [layers, ids, Hkv, B, d] (the int8
-    copy's codes, or float keys) with key_scales [layers, ids, Hkv] for int8 codes."""
+    ids (where block i of request r lies in keys); keys: float keys [layers, ids, Hkv, B, d],
+    or the int8 copy's codes [layers, ids, Hkv, d, B] with key_scales [layers, ids, Hkv]."""
     top = torch.topk(scores, min(c, scores.shape[-1]), dim=-1)  # [layers, R, Hkv, c]
     L, R, hkv, _ = top.indices.shape
     pool, (layer_stride, id_stride, head_stride) = flat_blocks(keys)
@@ -92,8 +113,9 @@ def rerank_layers(scores: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, c:
     block_scale = scale.to(dev, torch.float32)[:, None, None, None].expand(top.indices.shape)
     if key_scales is not None:
         block_scale = key_scales[j, chosen, h] * block_scale
-    mass = candidate_mass(pool, rows, block_scale.contiguous(), qg.float().contiguous(),
-                          (top.values > float("-inf")).to(dev))
+    mass = (candidate_mass if key_scales is None else candidate_mass_codes)(
+        pool, rows, block_scale.contiguous(), qg.float().contiguous(),
+        (top.values > float("-inf")).to(dev))
     return torch.full_like(scores, float("-inf")).scatter_(-1, top.indices,
                                                            mass.to(scores))
 
@@ -101,12 +123,14 @@ def rerank_layers(scores: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, c:
 def warm_up_rerank(keys: torch.Tensor, num_heads: int) -> None:
     """Compiles `candidate_mass` for the shapes selections pass (one layer or a run, one
     request or several), so that no request's step waits for it. keys: a pool of the kind
-    the rerank reads ([layers, ids, Hkv, B, d]: int8 codes or float keys), as in a step taken
-    in inference mode; a size of 1 is a guard of the compiled code, so both are passed."""
-    L, _, hkv, B, d = keys.shape
-    pool = torch.zeros(L, 9, hkv, B, d, dtype=keys.dtype, device=keys.device)
-    kscales = (torch.ones(L, 9, hkv, device=keys.device)
-               if not keys.is_floating_point() else None)
+    the rerank reads (int8 codes [layers, ids, Hkv, d, B] or float keys [..., B, d]), as in
+    a step taken in inference mode; a size of 1 is a guard of the compiled code, so both are
+    passed."""
+    L, _, hkv = keys.shape[:3]
+    int8 = not keys.is_floating_point()
+    d = keys.shape[-2] if int8 else keys.shape[-1]
+    pool = torch.zeros(L, 9, *keys.shape[2:], dtype=keys.dtype, device=keys.device)
+    kscales = torch.ones(L, 9, hkv, device=keys.device) if int8 else None
     with torch.inference_mode():
         for layers in sorted({1, L}):
             for requests in (1, 2):

@@ -110,7 +110,7 @@ class SparseKV:
     frozen: bool = False  # benchmarks: no prefetch at all once seeded (working sets frozen)
     remote: RemoteTier | None = None  # the remote store under bounded host caches, if any
     scales: list[float] = field(default_factory=list)  # per layer: attention scale (oracle, rerank)
-    # rerank_source=int8: every complete block's keys as int8 [L, summary_ids, Hkv, B, d]
+    # rerank_source=int8: every complete block's keys as int8 [L, summary_ids, Hkv, d, B]
     # with a scale per block and KV head [L, summary_ids, Hkv], indexed like the summaries
     key_codes: torch.Tensor | None = None
     key_scales: torch.Tensor | None = None
@@ -430,7 +430,7 @@ class SparseKV:
         rows = summary_rows(ids, S)
         self.kmin[layers, rows], self.kmax[layers, rows] = kmin, kmax
         if self.key_codes is not None:  # the int8 copy, with the summary
-            codes, scales = quantize_keys(keys)  # [layers, n, Hkv, B, d], [layers, n, Hkv]
+            codes, scales = quantize_keys(keys)  # [layers, n, Hkv, d, B], [layers, n, Hkv]
             self.key_codes[layers, ids], self.key_scales[layers, ids] = codes, scales
 
     # ---- per layer: selection and the attention masks ------------------------------------

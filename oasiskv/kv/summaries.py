@@ -35,16 +35,18 @@ def round_outward(kmin: torch.Tensor, kmax: torch.Tensor,
 
 
 def quantize_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 key copy: keys [..., Hkv, n, B, d] -> codes [..., n, Hkv, B, d] (int8) and
+    """The int8 key copy: keys [..., Hkv, n, B, d] -> codes [..., n, Hkv, d, B] (int8) and
     scales [..., n, Hkv] (float32), one scale per block and KV head: its largest |key| / 127,
-    so that codes * scale is within scale / 2 of every key (rounded to nearest)."""
+    so that codes * scale is within scale / 2 of every key (rounded to nearest). A block's
+    codes are dim-major (one row of its B tokens per dim), so that the rerank's scoring runs
+    one vector over a block's tokens per dim (`kv.rerank`)."""
     keys = keys.float()
     scales = keys.abs().amax(dim=(-2, -1)) / 127  # [..., Hkv, n]
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block
     codes = torch.round(keys / safe[..., None, None]).clamp_(-127, 127).to(torch.int8)
-    return codes.transpose(-4, -3), scales.transpose(-2, -1)
+    return codes.transpose(-1, -2).transpose(-4, -3).contiguous(), scales.transpose(-2, -1)
 
 
 def dequantize_keys(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """codes [..., B, d] (int8), scales [...] -> float32 keys [..., B, d]."""
-    return codes.float() * scales[..., None, None]
+    """codes [..., d, B] (int8), scales [...] -> float32 keys [..., B, d]."""
+    return codes.float().transpose(-1, -2) * scales[..., None, None]

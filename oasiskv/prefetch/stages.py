@@ -183,7 +183,7 @@ class SelectJob:
         c = math.ceil(kv.cfg.rerank * kv.cfg.top_k)
         queries = torch.stack([q for _, q in self.picks], 1)  # [layers, R, H, d]
         scales = torch.tensor([kv.scales[layer] for layer in self.layers])
-        if kv.key_codes is not None:  # [layers, summary ids, Hkv, B, d], scales [.., Hkv]
+        if kv.key_codes is not None:  # [layers, summary ids, Hkv, d, B], scales [.., Hkv]
             return rerank_layers(scores, queries, scales, c, self.ids, kv.key_codes[self.run],
                                  kv.key_scales[self.run])
         keys = kv.host_kv[self.run, 0].unflatten(2, (-1, B)).transpose(1, 2)  # [.., n, Hkv, B, d]

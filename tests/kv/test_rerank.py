@@ -7,7 +7,7 @@ requests' blocks scattered over the pool, float32 and bf16 host keys and the int
 import pytest
 import torch
 
-from oasiskv.kv.rerank import candidate_mass, rerank_layers
+from oasiskv.kv.rerank import candidate_mass, candidate_mass_codes, rerank_layers
 from oasiskv.kv.select import rerank_by_mass
 from oasiskv.kv.summaries import dequantize_keys, quantize_keys
 
@@ -29,7 +29,7 @@ def case(dtype: torch.dtype, seed: int):
 def reference(host_kv, ids, q, scores, scales, int8):
     """rerank_by_mass per layer, keys indexed per (request, head, candidate)."""
     keys = host_kv[:, 0].unflatten(2, (-1, B))  # [L, Hkv, ids, B, d]
-    codes, kscales = quantize_keys(keys)  # [L, ids, Hkv, B, d], [L, ids, Hkv]
+    codes, kscales = quantize_keys(keys)  # [L, ids, Hkv, d, B], [L, ids, Hkv]
     out = []
     for j in range(L):
         def keys_of(cand, j=j):  # [R, Hkv, c] -> [R, Hkv, c*B, d]
@@ -49,7 +49,8 @@ def reference(host_kv, ids, q, scores, scales, int8):
 @pytest.mark.parametrize("eager", [False, True])
 def test_batched_rerank_picks_the_references_blocks(dtype, int8, seed, eager, monkeypatch):
     if eager:  # where torch.compile fails: the matmul form, not the (huge) unfused product
-        monkeypatch.setattr(candidate_mass, "_run", candidate_mass.eager)
+        for fn in (candidate_mass, candidate_mass_codes):
+            monkeypatch.setattr(fn, "_run", fn.eager)
     host_kv, ids, q, scores, scales = case(dtype, seed)
     want, codes, kscales = reference(host_kv, ids, q, scores, scales, int8)
     with torch.inference_mode():

@@ -87,7 +87,7 @@ def test_int8_keys_and_their_scores_are_within_the_quantization_bound():
     keys = torch.randn(L, hkv, n, B, d) * torch.rand(L, hkv, n, 1, 1) * 10
     keys[0, 1, 2] = 0  # an all-zero block: scale 0, codes 0, exact
     codes, scales = quantize_keys(keys)
-    assert codes.dtype == torch.int8 and codes.shape == (L, n, hkv, B, d)
+    assert codes.dtype == torch.int8 and codes.shape == (L, n, hkv, d, B)
     assert scales.shape == (L, n, hkv)
     torch.testing.assert_close(scales, keys.abs().amax((-2, -1)).transpose(1, 2) / 127)
     back = dequantize_keys(codes, scales).transpose(1, 2)  # [L, Hkv, n, B, d]
@@ -108,7 +108,7 @@ def test_an_exact_int8_copy_reranks_as_the_float_keys_do():
     ints = torch.randint(-127, 128, (hkv, n, B, d)).float()
     ints[:, :, 0, 0] = 127  # each block and head reaches 127: its scale is 2**-3 exactly
     keys = ints / 8  # [Hkv, n, B, d], one history shared by the R requests
-    codes, scales = quantize_keys(keys)  # [n, Hkv, B, d], [n, Hkv]
+    codes, scales = quantize_keys(keys)  # [n, Hkv, d, B], [n, Hkv]
     assert (scales == 1 / 8).all()
     q = torch.randn(R, hkv * group, d)
     scores = torch.randn(R, hkv, n)  # the first stage's scores: any
