@@ -100,7 +100,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 
 KV_MODES = ("dense", "sparse")
 PREDICTORS = ("lookahead", "previous", "exact", "oracle")
-RERANK_SOURCES = ("host", "int8")
+RERANK_SOURCES = ("host", "int8", "int4")
 SCORE_AGGREGATIONS = ("sum", "softmax-sum", "softmax-max")
 CRITICAL_PATH = ("exact", "oracle")  # predictors that select for the step itself
 PREFETCH = ("async", "sync")
@@ -167,9 +167,10 @@ class CacheConfig:
         "lookahead or previous; one node only)")
     rerank_source: str = _field(
         "host", "sparse, with rerank: where the re-ranking reads its candidates' keys. host: "
-        "the host tier (exact); int8: a device copy of every complete block's post-RoPE keys, "
-        "int8 with one scale per block and KV head, written with its summary (charged to "
-        "device_kv_budget beside the summaries: B*d+4 bytes per block, layer and KV head)")
+        "the host tier (exact); int8 / int4: a device copy of every complete block's post-RoPE "
+        "keys, 8 or 4 bits with one scale per block and KV head, written with its summary "
+        "(charged to device_kv_budget beside the summaries: B*d+4 bytes per block, layer and "
+        "KV head for int8, B*d/2+4 for int4)")
     prefetch: str = _field(
         "sync", "sparse: async runs each layer's next-step selection and fetch in the "
         "background (worker threads; sparse runs on the CPU only); sync runs them inline "
@@ -269,6 +270,9 @@ class CacheConfig:
         if self.rerank_source not in RERANK_SOURCES:
             raise ValueError(f"rerank_source must be one of {RERANK_SOURCES}, "
                              f"got {self.rerank_source!r}")
+        if self.rerank_source == "int4" and self.block_size % 2:
+            raise ValueError(f"rerank_source='int4' packs two tokens' codes a byte: block_size "
+                             f"must be even, got {self.block_size}")
         if self.rerank_source != "host" and not self.rerank:
             raise ValueError(f"rerank_source={self.rerank_source!r} is where rerank reads its "
                              "keys: set rerank (c >= 1) too")
@@ -318,8 +322,13 @@ class CacheConfig:
 
     @property
     def key_copy(self) -> bool:
-        """sparse: whether the device holds the int8 key copy (rerank_source=int8)."""
-        return self.rerank_source == "int8"
+        """sparse: whether the device holds a key copy (rerank_source=int8 or int4)."""
+        return self.rerank_source in ("int8", "int4")
+
+    @property
+    def key_copy_bits(self) -> int:
+        """sparse, with a key copy: bits per key element (8 or 4)."""
+        return int(self.rerank_source[3:])
 
     @property
     def fetch_cap(self) -> int:

@@ -151,7 +151,7 @@ class LLMEngine:
             split = self.device_split = split_sparse(
                 cache.device_kv_budget, smc.kv_bytes_per_token(dtype) * block,
                 summary_bytes(smc, summary_dtype, cache.summary_splits)
-                + (key_copy_bytes(smc, block) if cache.key_copy else 0)
+                + (key_copy_bytes(smc, block, cache.key_copy_bits) if cache.key_copy else 0)
                 + dense_layer_bytes(mc, n_dense, block, dtype),
                 cache.slab_blocks, -(-self.max_model_len // block),
                 host_blocks if one_node else math.ceil(host_blocks / cache.f_host))
@@ -180,9 +180,11 @@ class LLMEngine:
                                    PrefetchPipeline(executor), remote=remote,
                                    scales=[a.scale for a in
                                            self.model.attention_layers()][n_dense:])
-            if cache.key_copy:
+            if cache.key_copy:  # int4: two codes a byte
+                bits = cache.key_copy_bits
                 self.sparse.key_codes = torch.empty(
-                    (*summary[:3], mc.head_dim, block), dtype=torch.int8, device=self.device)
+                    (*summary[:3], mc.head_dim, block * bits // 8), device=self.device,
+                    dtype=torch.int8 if bits == 8 else torch.uint8)
                 self.sparse.key_scales = torch.empty(summary[:3], device=self.device)
             dense_kv = allocate_dense_kv(mc, n_dense, split.summary_ids, block, dtype,
                                          self.device)

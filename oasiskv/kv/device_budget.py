@@ -41,10 +41,11 @@ def summary_bytes(mc: ModelConfig, dtype: torch.dtype, splits: int = 1) -> int:
     return 2 * mc.num_layers * splits * mc.num_kv_heads * mc.head_dim * dtype.itemsize
 
 
-def key_copy_bytes(mc: ModelConfig, block_size: int) -> int:
-    """Device bytes of one block's int8 key copy (rerank_source=int8): codes [L, Hkv, d, B]
-    and a float32 scale per layer and KV head. Charged with the block's summary."""
-    return mc.num_layers * mc.num_kv_heads * (block_size * mc.head_dim + 4)
+def key_copy_bytes(mc: ModelConfig, block_size: int, bits: int = 8) -> int:
+    """Device bytes of one block's key copy (rerank_source=int8 or int4): codes
+    [L, Hkv, d, B] of `bits` bits and a float32 scale per layer and KV head. Charged with the
+    block's summary."""
+    return mc.num_layers * mc.num_kv_heads * (block_size * mc.head_dim * bits // 8 + 4)
 
 
 def dense_layer_bytes(mc: ModelConfig, dense_layers: int, block_size: int,

@@ -3,10 +3,10 @@ re-scored by the predicting query's softmax attention over their keys (the mass 
 ranks by, within the candidates), for a run of layers and a batch of requests at once.
 
 The keys are gathered as whole blocks, one row per (layer, block, KV head), in one index op
-over a flat view of the pool: the int8 copy's codes with their per-block scales, or the host
-tier's float keys. The scoring is one compiled pass over the gathered keys (int8 codes are
-converted in registers, never dequantized into a float copy) that leaves only the logits
-behind; the block scale multiplies the logits, not the keys. The int8 copy is dim-major
+over a flat view of the pool: the key copy's codes (int8 or int4) with their per-block
+scales, or the host tier's float keys. The scoring is one compiled pass over the gathered keys
+(codes are converted in registers, never dequantized into a float copy) that leaves only the
+logits behind; the block scale multiplies the logits, not the keys. The copy is dim-major
 ([d, B] per block): per dim, one vector of a block's B tokens times each of the G query
 heads' element, G accumulators over d, the form inductor vectorizes best (2.5x the pass over
 [B, d] blocks, whose products reduce across a vector; the host tier's keys have that layout).
@@ -17,12 +17,13 @@ from __future__ import annotations
 import torch
 
 from oasiskv.compiled import compiled
+from oasiskv.kv.summaries import unpack_codes
 
 
 def _fused_mass(pool: torch.Tensor, rows: torch.Tensor, block_scale: torch.Tensor,
                 q: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """pool [rows, B, d] a flat view of the keys (float keys or int8 codes), rows [..., c]
-    each candidate's row in it, block_scale [..., c] (the int8 scale times the attention
+    each candidate's row in it, block_scale [..., c] (the code scale times the attention
     scale; for float keys the attention scale), q [..., G, d] (float32), real [..., c] False
     for a candidate past the request's blocks -> each candidate's share of q's softmax
     attention over the real candidates' keys, summed over its B tokens and the G query
@@ -57,8 +58,9 @@ def _mass(logits: torch.Tensor, block_scale: torch.Tensor, real: torch.Tensor) -
 
 def _fused_mass_codes(codes: torch.Tensor, rows: torch.Tensor, block_scale: torch.Tensor,
                       q: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """_fused_mass over the int8 copy's dim-major codes [rows, d, B]."""
-    keys = codes[rows].float()  # [..., c, d, B]
+    """_fused_mass over the key copy's dim-major codes [rows, d, B] (int8) or [rows, d, B/2]
+    (4-bit pairs)."""
+    keys = unpack_codes(codes[rows])  # [..., c, d, B]
     # one product per query head (unrolled: inductor then keeps G accumulators in one loop
     # over d, each key vector converted once; as one broadcast product it converts G times)
     logits = torch.stack([(keys * q[..., None, g, :, None]).sum(-2)
@@ -68,7 +70,7 @@ def _fused_mass_codes(codes: torch.Tensor, rows: torch.Tensor, block_scale: torc
 
 def _matmul_mass_codes(codes: torch.Tensor, rows: torch.Tensor, block_scale: torch.Tensor,
                        q: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    logits = torch.matmul(q[..., None, :, :], codes[rows].float())  # [..., c, G, B]
+    logits = torch.matmul(q[..., None, :, :], unpack_codes(codes[rows]))  # [..., c, G, B]
     return _mass(logits.transpose(-1, -2), block_scale, real)
 
 
@@ -99,7 +101,8 @@ def rerank_layers(scores: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, c:
     blocks re-scored by their attention mass (`candidate_mass`), -inf elsewhere. q
     [layers, R, H, d]; scale [layers] the attention scales; ids [R, n] the requests' summary
     ids (where block i of request r lies in keys); keys: float keys [layers, ids, Hkv, B, d],
-    or the int8 copy's codes [layers, ids, Hkv, d, B] with key_scales [layers, ids, Hkv]."""
+    or the key copy's codes [layers, ids, Hkv, d, B] (int8; 4-bit pairs: [..., d, B/2])
+    with key_scales [layers, ids, Hkv]."""
     top = torch.topk(scores, min(c, scores.shape[-1]), dim=-1)  # [layers, R, Hkv, c]
     L, R, hkv, _ = top.indices.shape
     pool, (layer_stride, id_stride, head_stride) = flat_blocks(keys)
@@ -123,14 +126,14 @@ def rerank_layers(scores: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, c:
 def warm_up_rerank(keys: torch.Tensor, num_heads: int) -> None:
     """Compiles `candidate_mass` for the shapes selections pass (one layer or a run, one
     request or several), so that no request's step waits for it. keys: a pool of the kind
-    the rerank reads (int8 codes [layers, ids, Hkv, d, B] or float keys [..., B, d]), as in
+    the rerank reads (codes [layers, ids, Hkv, d, B or B/2] or float keys [..., B, d]), as in
     a step taken in inference mode; a size of 1 is a guard of the compiled code, so both are
     passed."""
     L, _, hkv = keys.shape[:3]
-    int8 = not keys.is_floating_point()
-    d = keys.shape[-2] if int8 else keys.shape[-1]
+    codes = not keys.is_floating_point()
+    d = keys.shape[-2] if codes else keys.shape[-1]
     pool = torch.zeros(L, 9, *keys.shape[2:], dtype=keys.dtype, device=keys.device)
-    kscales = torch.ones(L, 9, hkv, device=keys.device) if int8 else None
+    kscales = torch.ones(L, 9, hkv, device=keys.device) if codes else None
     with torch.inference_mode():
         for layers in sorted({1, L}):
             for requests in (1, 2):

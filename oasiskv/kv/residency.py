@@ -110,7 +110,8 @@ class SparseKV:
     frozen: bool = False  # benchmarks: no prefetch at all once seeded (working sets frozen)
     remote: RemoteTier | None = None  # the remote store under bounded host caches, if any
     scales: list[float] = field(default_factory=list)  # per layer: attention scale (oracle, rerank)
-    # rerank_source=int8: every complete block's keys as int8 [L, summary_ids, Hkv, d, B]
+    # rerank_source=int8/int4: every complete block's keys as codes [L, summary_ids, Hkv, d, B]
+    # (int4: uint8 [..., d, B/2], two codes a byte)
     # with a scale per block and KV head [L, summary_ids, Hkv], indexed like the summaries
     key_codes: torch.Tensor | None = None
     key_scales: torch.Tensor | None = None
@@ -429,8 +430,8 @@ class SparseKV:
         kmin, kmax = round_outward(*summarize(keys, S), self.kmin.dtype)  # [layers, n*S, Hkv, d]
         rows = summary_rows(ids, S)
         self.kmin[layers, rows], self.kmax[layers, rows] = kmin, kmax
-        if self.key_codes is not None:  # the int8 copy, with the summary
-            codes, scales = quantize_keys(keys)  # [layers, n, Hkv, d, B], [layers, n, Hkv]
+        if self.key_codes is not None:  # the key copy, with the summary
+            codes, scales = quantize_keys(keys, self.cfg.key_copy_bits)  # [layers, n, Hkv, d, B], [layers, n, Hkv]
             self.key_codes[layers, ids], self.key_scales[layers, ids] = codes, scales
 
     # ---- per layer: selection and the attention masks ------------------------------------

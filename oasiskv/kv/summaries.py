@@ -34,19 +34,38 @@ def round_outward(kmin: torch.Tensor, kmax: torch.Tensor,
     return lo, hi
 
 
-def quantize_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 key copy: keys [..., Hkv, n, B, d] -> codes [..., n, Hkv, d, B] (int8) and
-    scales [..., n, Hkv] (float32), one scale per block and KV head: its largest |key| / 127,
-    so that codes * scale is within scale / 2 of every key (rounded to nearest). A block's
-    codes are dim-major (one row of its B tokens per dim), so that the rerank's scoring runs
-    one vector over a block's tokens per dim (`kv.rerank`)."""
+def quantize_keys(keys: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rerank's low-bit key copy: keys [..., Hkv, n, B, d] -> codes [..., n, Hkv, d, B]
+    (int8; with bits=4, uint8 [..., d, B/2]: two 4-bit codes a byte) and scales
+    [..., n, Hkv] (float32), one scale per block and KV head: its largest |key| / (2^(bits-1)
+    - 1), so that codes * scale is within scale / 2 of every key (rounded to nearest).
+    A block's codes are dim-major (one row of its B tokens per dim), so that the rerank's
+    scoring runs one vector over a block's tokens per dim (`kv.rerank`). 4-bit codes are
+    stored +8 (1..15), token j in the low nibble of byte j and token j + B/2 in the high
+    one: unpacked, the two nibbles of a row are its two halves in token order."""
+    top = 2 ** (bits - 1) - 1
     keys = keys.float()
-    scales = keys.abs().amax(dim=(-2, -1)) / 127  # [..., Hkv, n]
+    scales = keys.abs().amax(dim=(-2, -1)) / top  # [..., Hkv, n]
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block
-    codes = torch.round(keys / safe[..., None, None]).clamp_(-127, 127).to(torch.int8)
-    return codes.transpose(-1, -2).transpose(-4, -3).contiguous(), scales.transpose(-2, -1)
+    codes = torch.round(keys / safe[..., None, None]).clamp_(-top, top).transpose(-1, -2)
+    if bits == 4:
+        lo, hi = (codes + 8).to(torch.uint8).chunk(2, dim=-1)
+        codes = lo | (hi << 4)
+    elif bits == 8:
+        codes = codes.to(torch.int8)
+    else:
+        raise ValueError(f"key copy bits must be 8 or 4, got {bits}")
+    return codes.transpose(-4, -3).contiguous(), scales.transpose(-2, -1)
+
+
+def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """codes [..., d, B] (int8) or [..., d, B/2] (uint8: 4-bit pairs) -> float32 codes
+    [..., d, B]."""
+    if codes.dtype == torch.uint8:
+        return torch.cat([(codes & 15).float() - 8, (codes >> 4).float() - 8], dim=-1)
+    return codes.float()
 
 
 def dequantize_keys(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """codes [..., d, B] (int8), scales [...] -> float32 keys [..., B, d]."""
-    return codes.float().transpose(-1, -2) * scales[..., None, None]
+    """codes [..., d, B] (int8, or 4-bit pairs), scales [...] -> float32 keys [..., B, d]."""
+    return unpack_codes(codes).transpose(-1, -2) * scales[..., None, None]

@@ -2,7 +2,8 @@
 against the reference: `select.rerank_by_mass` layer by layer over keys gathered and
 dequantized one block at a time by indexing. Continuous random data (no ties); several
 requests and layers, requests with fewer blocks than the candidates (-inf padding), the
-requests' blocks scattered over the pool, float32 and bf16 host keys and the int8 copy."""
+requests' blocks scattered over the pool, float32 and bf16 host keys and the int8 and int4
+copies."""
 
 import pytest
 import torch
@@ -26,16 +27,17 @@ def case(dtype: torch.dtype, seed: int):
     return host_kv, ids, q, scores, scales
 
 
-def reference(host_kv, ids, q, scores, scales, int8):
-    """rerank_by_mass per layer, keys indexed per (request, head, candidate)."""
+def reference(host_kv, ids, q, scores, scales, bits):
+    """rerank_by_mass per layer, keys indexed per (request, head, candidate): the host keys
+    (bits 0) or the key copy of 8 or 4 bits, dequantized."""
     keys = host_kv[:, 0].unflatten(2, (-1, B))  # [L, Hkv, ids, B, d]
-    codes, kscales = quantize_keys(keys)  # [L, ids, Hkv, d, B], [L, ids, Hkv]
+    codes, kscales = quantize_keys(keys, bits or 8)  # [L, ids, Hkv, d, B], [L, ids, Hkv]
     out = []
     for j in range(L):
         def keys_of(cand, j=j):  # [R, Hkv, c] -> [R, Hkv, c*B, d]
             blocks = ids.gather(1, cand.flatten(1)).view(cand.shape)  # summary ids
             heads = torch.arange(HKV)[None, :, None]
-            if int8:
+            if bits:
                 return dequantize_keys(codes[j, blocks, heads],
                                        kscales[j, blocks, heads]).flatten(2, 3)
             return keys[j, heads, blocks].float().flatten(2, 3)  # fp32 products, as ours
@@ -44,17 +46,17 @@ def reference(host_kv, ids, q, scores, scales, int8):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("bits", [0, 8, 4])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("eager", [False, True])
-def test_batched_rerank_picks_the_references_blocks(dtype, int8, seed, eager, monkeypatch):
+def test_batched_rerank_picks_the_references_blocks(dtype, bits, seed, eager, monkeypatch):
     if eager:  # where torch.compile fails: the matmul form, not the (huge) unfused product
         for fn in (candidate_mass, candidate_mass_codes):
             monkeypatch.setattr(fn, "_run", fn.eager)
     host_kv, ids, q, scores, scales = case(dtype, seed)
-    want, codes, kscales = reference(host_kv, ids, q, scores, scales, int8)
+    want, codes, kscales = reference(host_kv, ids, q, scores, scales, bits)
     with torch.inference_mode():
-        if int8:
+        if bits:
             got = rerank_layers(scores, q, scales, C, ids, codes, kscales)
         else:  # the host tier's keys as SelectJob passes them: a transposed view
             keys = host_kv[:, 0].unflatten(2, (-1, B)).transpose(1, 2)  # [L, ids, Hkv, B, d]

@@ -76,20 +76,26 @@ def test_one_loud_query_head_no_longer_outvotes_its_group():
     assert got["softmax-sum"].argmax() == 1 and got["softmax-max"].argmax() == 0
 
 
-# ---------------------------------------------------------------- the int8 key copy
+# ---------------------------------------------------------------- the key copy (int8, int4)
 
 
-def test_int8_keys_and_their_scores_are_within_the_quantization_bound():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_key_copies_and_their_scores_are_within_the_quantization_bound(bits):
     """Every key within half a step (scale / 2) of its code times the scale, the scale its
-    block and head's largest |key| / 127; so each score q . k within scale / 2 * |q|_1."""
+    block and head's largest |key| / 127 (int4: / 7); so each score q . k within
+    scale / 2 * |q|_1."""
     torch.manual_seed(4)
     L, hkv, n, B, d = 2, 3, 5, 16, 8
     keys = torch.randn(L, hkv, n, B, d) * torch.rand(L, hkv, n, 1, 1) * 10
     keys[0, 1, 2] = 0  # an all-zero block: scale 0, codes 0, exact
-    codes, scales = quantize_keys(keys)
-    assert codes.dtype == torch.int8 and codes.shape == (L, n, hkv, d, B)
+    codes, scales = quantize_keys(keys, bits)
+    if bits == 8:
+        assert codes.dtype == torch.int8 and codes.shape == (L, n, hkv, d, B)
+    else:  # two codes a byte
+        assert codes.dtype == torch.uint8 and codes.shape == (L, n, hkv, d, B // 2)
     assert scales.shape == (L, n, hkv)
-    torch.testing.assert_close(scales, keys.abs().amax((-2, -1)).transpose(1, 2) / 127)
+    top = 2 ** (bits - 1) - 1
+    torch.testing.assert_close(scales, keys.abs().amax((-2, -1)).transpose(1, 2) / top)
     back = dequantize_keys(codes, scales).transpose(1, 2)  # [L, Hkv, n, B, d]
     step = scales.transpose(1, 2)[..., None, None]
     assert ((back - keys).abs() <= step / 2 * (1 + 1e-5)).all()
@@ -127,19 +133,23 @@ def test_an_exact_int8_copy_reranks_as_the_float_keys_do():
     assert torch.equal(got.topk(4).indices, want.topk(4).indices)
 
 
-def test_the_key_copy_is_charged_to_the_device_budget(tiny_llama):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_key_copy_is_charged_to_the_device_budget(tiny_llama, bits):
     """Its bytes sit beside each summary: fewer summaries and KV blocks for the same budget,
     every allocated byte within it."""
     kw = dict(kv_mode="sparse", top_k=2, device_kv_budget=256 * 1024, host_kv_budget=2**20)
     plain = LLM(str(tiny_llama), **kw).stats()
-    copy = LLM(str(tiny_llama), **kw, rerank=2, rerank_source="int8").stats()
-    per_block = 2 * 2 * (16 * 16 + 4)  # layers x KV heads x (codes + a float32 scale)
+    copy = LLM(str(tiny_llama), **kw, rerank=2, rerank_source=f"int{bits}").stats()
+    # layers x KV heads x (B x d codes of `bits` bits + a float32 scale)
+    per_block = 2 * 2 * (16 * 16 * bits // 8 + 4)
     assert copy["key_copy_bytes_per_block"] == per_block
     assert copy["summary_bytes_per_block"] == plain["summary_bytes_per_block"] + per_block
     assert copy["key_copy_bytes"] == copy["summary_ids_total"] * per_block
     assert copy["device_bytes_allocated"] <= copy["device_kv_budget"]
-    assert copy["summary_ids_total"] < plain["summary_ids_total"]
+    assert copy["summary_ids_total"] <= plain["summary_ids_total"]
     assert copy["kv_blocks_total"] <= plain["kv_blocks_total"]
+    if bits == 8:  # this budget binds: the copy displaces summaries
+        assert copy["summary_ids_total"] < plain["summary_ids_total"]
 
 
 # ---------------------------------------------------------------- engine: equal to dense
@@ -153,6 +163,7 @@ def generate(llm, prompts, params):
     {"score_aggregation": "softmax-sum"},
     {"score_aggregation": "softmax-max", "prefetch": "async"},
     {"rerank": 2, "rerank_source": "int8"},
+    {"rerank": 2, "rerank_source": "int4", "prefetch": "async"},
     {"summary_splits": 2},
     {"summary_splits": 2, "score_aggregation": "softmax-sum", "prefetch": "async"},
     {"summary_splits": 4, "predictor": "exact"},
