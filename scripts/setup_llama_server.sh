@@ -7,7 +7,7 @@
 # Native (-march=native) without ggml's AMX code, as scripts/setup_llamacpp.sh explains
 # (llama.cpp's AMX matmul segfaults on AMX CPUs, ggml-org/llama.cpp#20824). Static, no web UI,
 # no OpenSSL: a loopback benchmark needs neither. Only the llama-server target is built.
-# About 10 minutes on 2 cores, so scripts/setup.sh does not run it. Idempotent: the marker
+# About 20 minutes on 2 shared cores, so scripts/setup.sh does not run it. Idempotent: the marker
 # .venv/llama-server/build.txt records the version and flags of the binary beside it.
 # VENV=/path/to/venv puts it in another venv (the one whose python runs `oasiskv`).
 set -euo pipefail
@@ -51,13 +51,17 @@ echo "downloading llama-cpp-python $LLAMA_CPP_VERSION's source distribution" >&2
 tar -xzf "$work"/llama_cpp_python-"$LLAMA_CPP_VERSION".tar.gz -C "$work"
 src=$work/llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp
 [ -f "$src/tools/server/CMakeLists.txt" ] || { echo "error: no tools/server in $src" >&2; exit 1; }
-echo "building llama-server (native, no AMX; about 10 minutes on 2 cores)" >&2
+echo "building llama-server (native, no AMX; about 20 minutes on 2 cores)" >&2
 # shellcheck disable=SC2086  # cmake_args is a list of flags
 CFLAGS="${CFLAGS:-} $no_amx" CXXFLAGS="${CXXFLAGS:-} $no_amx" \
   cmake -S "$src" -B "$work/build" $cmake_args >"$work/configure.log" 2>&1 \
   || { tail -30 "$work/configure.log" >&2; exit 1; }
 cmake --build "$work/build" --target llama-server -j "$(nproc)" >"$work/build.log" 2>&1 \
   || { tail -30 "$work/build.log" >&2; exit 1; }
+if command -v objdump >/dev/null && objdump -d "$work/build/bin/llama-server" \
+    | grep -qE "\s(tdpb[a-z]*|tileloadd|ldtilecfg)\s"; then  # AMX tile instructions
+  echo "error: the llama-server build has AMX code" >&2; exit 1
+fi
 mkdir -p "$dest/bin"
 install -m 755 "$work/build/bin/llama-server" "$dest/bin/llama-server"
 echo "$want" > "$marker"

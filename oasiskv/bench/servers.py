@@ -25,7 +25,7 @@ from oasiskv.bench.sparse_options import parse_sparse
 KINDS = ("dense", "sparse", "llama-server")
 LLAMA_SERVER_ENV = "OASISKV_LLAMA_SERVER"
 LLAMA_SERVER_BUILD = ("llama-server is not built: scripts/setup_llama_server.sh builds it from "
-                      "llama-cpp-python's source distribution (about 10 minutes on 2 cores) "
+                      "llama-cpp-python's source distribution (about 20 minutes on 2 cores) "
                       "into .venv/llama-server/bin/")
 
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import build_model_dir
 
+from oasiskv import LLM, SamplingParams
 from oasiskv.bench.serve import parse_rates
 from oasiskv.bench.serve_client import (
     RequestResult,
@@ -109,13 +111,28 @@ def test_server_and_rate_lists():
             parse_rates(bad)
 
 
-def test_503s_are_counted_apart_from_failures(tiny_llama):
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def eos_first(tmp_path_factory):
+    """The tiny model again (same seed, same weights) with its greedy first token after PROMPT
+    made the EOS token: without ignore_eos every answer to PROMPT is one token long."""
+    base = build_model_dir(tmp_path_factory.mktemp("tiny"), "llama")
+    llm = LLM(str(base), num_threads=1, device_kv_budget="1MiB")
+    first = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1),
+                         use_tqdm=False)[0].token_ids[0]
+    llm.close()
+    return build_model_dir(tmp_path_factory.mktemp("tiny_eos"), "llama", eos_token_id=first)
+
+
+def test_503s_are_counted_apart_from_failures(eos_first):
     """One request runs (max_num_seqs 1, steps of 0.2 s: it takes 0.8 s) and one may wait
     (--max-waiting 1): of five more sent together at 0.3 s, one waits and four are turned away
-    with 503; none fails."""
-    with live_server(tiny_llama, ServeOptions(max_waiting=1), max_num_seqs=1) as live:
+    with 503; none fails. Both answered in full although their first token is EOS."""
+    with live_server(eos_first, ServeOptions(max_waiting=1), max_num_seqs=1) as live:
         live.slow_steps(0.2)
-        trace = [TraceRequest(i, [5 + i, 6, 7, 8], 0.0 if i == 0 else 0.3) for i in range(6)]
+        trace = [TraceRequest(i, PROMPT, 0.0 if i == 0 else 0.3) for i in range(6)]
         results, duration = asyncio.run(run_trace(live.url, live.state.model_name, trace, 4))
         live.wait_idle()
     m = cell_metrics(results, duration, Slo(tpot_ms=1e9))
