@@ -144,12 +144,18 @@ def test_503s_are_counted_apart_from_failures(eos_first):
 
 def test_end_to_end_dense_and_sparse_servers_started_here(tiny_llama, tmp_path, capsys):
     out, png, logs = tmp_path / "s.json", tmp_path / "s.png", tmp_path / "logs"
+    pareto = tmp_path / "pareto.json"  # accuracy by bench pareto's configuration names
+    pareto.write_text(json.dumps({"rows": [
+        {"setting": "dense", "accuracy": 90.0},
+        {"setting": "sparse K=2 lookahead host_kv_budget=1048576", "accuracy": 80.0},
+        {"setting": "sparse K=2 lookahead", "accuracy": 70.0}]}))
     argv = ["bench", "serve", "--model", str(tiny_llama), "--servers",
             "dense,sparse:top_k=2,host_kv_budget=1MiB", "--input-len", "32", "--output-len", "6",
             "--num-prompts", "3", "--request-rate", "20,inf", "--max-num-seqs", "4",
             "--device-kv-budget", "1MiB", "--dtype", "float32", "--num-threads", "1",
             "--slo-tpot-x-dense-1", "2", "--slo-calibration-requests", "2",
-            "--json", str(out), "--plot", str(png), "--log-dir", str(logs)]
+            "--json", str(out), "--plot", str(png), "--log-dir", str(logs),
+            "--pareto-json", str(pareto)]
     assert main(argv) == 0
     data = json.loads(out.read_text())
     assert data["complete"] and not data["errors"]
@@ -161,6 +167,7 @@ def test_end_to_end_dense_and_sparse_servers_started_here(tiny_llama, tmp_path, 
     assert [(c["server"], c["rate"]) for c in cells] == [
         ("dense", 20.0), ("dense", "inf"), ("sparse:top_k=2,host_kv_budget=1MiB", 20.0),
         ("sparse:top_k=2,host_kv_budget=1MiB", "inf")]
+    assert [c["accuracy"] for c in cells] == [90.0, 90.0, 80.0, 80.0]
     prompts = {}
     for c in cells:
         assert (c["requests"], c["completed"], c["failed"], c["rejected"]) == (3, 3, 0, 0)
@@ -176,7 +183,7 @@ def test_end_to_end_dense_and_sparse_servers_started_here(tiny_llama, tmp_path, 
     assert prompts[20.0][0] == prompts[20.0][1] and prompts["inf"][0] == [0.0] * 3
     assert png.stat().st_size > 0
     printed = capsys.readouterr().out
-    assert "| dense | 20 | 3/3 |" in printed and "| sparse:top_k=2,host_kv_budget=1MiB |" \
+    assert "| dense | 90 | 20 | 3/3 |" in printed and "| sparse:top_k=2,host_kv_budget=1MiB |" \
         in printed
     for log in logs.iterdir():  # SIGTERM: uvicorn's graceful shutdown, the lifespan's end
         assert "Application shutdown complete" in log.read_text(), log.name
@@ -216,6 +223,7 @@ def test_end_to_end_llama_server(tmp_path):
     (["--servers", "sparse,dense", "--slo-tpot-x-dense-1", "2"], "must be dense"),
     (["--slo-tpot-ms", "50", "--slo-tpot-x-dense-1", "2"], "not both"),
     (["--slo-ttft-ms", "-5"], "--slo-ttft-ms must be a positive number"),
+    (["--servers", "dense", "--pareto-json", "/nonexistent.json"], "not a bench pareto JSON"),
     (["--servers", "llama-server", "--llama-server", "/nonexistent/llama-server"],
      "no llama-server at /nonexistent/llama-server"),
 ])
