@@ -1,6 +1,7 @@
 """`oasiskv bench serve`: its figures from hand-computed timestamps (vLLM's definitions), the
-seeded Poisson trace, 503s counted apart from failures against a live server, an end-to-end
-run that starts our dense and sparse servers itself on loopback (every request exactly
+seeded Poisson trace, 503s counted apart from failures against a live server, --url with
+--max-concurrency 1 against one, an end-to-end run that starts our dense and sparse servers
+itself on loopback (every request exactly
 --output-len tokens, the JSON whole, the servers stopped gracefully), llama.cpp's
 `llama-server` when it is built, and bad input as one line and exit status 2."""
 
@@ -140,6 +141,23 @@ def test_503s_are_counted_apart_from_failures(eos_first):
     assert m["good"] == 2  # a 503 is never good
     assert all(r.output_tokens == 4 for r in results if r.ok)
     assert all("HTTP 503" in r.error for r in results if r.rejected)
+
+
+def test_url_of_a_running_server_with_max_concurrency(tiny_llama, tmp_path):
+    """--url: a server the bench did not start (the model only gives the tokenizer);
+    --max-concurrency 1 sends each request only after the one before has ended."""
+    out = tmp_path / "u.json"
+    with live_server(tiny_llama) as live:
+        assert main(["bench", "serve", "--url", live.url, "--model", str(tiny_llama),
+                     "--input-len", "16", "--output-len", "4", "--num-prompts", "3",
+                     "--request-rate", "inf", "--max-concurrency", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (cell,) = data["cells"]
+    assert data["servers"] == [live.url] and cell["server"] == live.url
+    assert (cell["completed"], cell["max_concurrency"]) == (3, 1)
+    reqs = sorted(cell["per_request"], key=lambda r: r["sent_s"])
+    for a, b in zip(reqs, reqs[1:], strict=False):
+        assert b["sent_s"] >= a["sent_s"] + a["e2e_s"]
 
 
 def test_end_to_end_dense_and_sparse_servers_started_here(tiny_llama, tmp_path, capsys):
