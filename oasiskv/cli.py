@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from oasiskv.bench.pareto import add_parser as add_pareto_parser
+from oasiskv.bench.serve import add_parser as add_serve_bench_parser
 from oasiskv.cli_input import Parser, flag_type, read_prompt
 from oasiskv.config import CacheConfig, EngineConfig
 from oasiskv.disagg.handoff import TRANSFERS
@@ -413,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--plot", help="write TPS and running batch vs concurrency (PNG)")
     thr.set_defaults(func=_cmd_bench_throughput)
     add_pareto_parser(bench)
+    add_serve_bench_parser(bench)
 
     pd = bench.add_parser("pd", help="prefill-decode disaggregation: partial, slab and full "
                           "transfer, per decode-host residency f_host")

@@ -333,6 +333,19 @@ ROWS = [
     Row("bench pareto --sparse value that does not parse (cli)",
         ["bench", "pareto", "--model", "{model}", "--sparse", "f_hbm=0.1,top_k=many"],
         r"top_k: expected an integer, got 'many'"),
+    Row("bench serve unknown server (cli)",
+        ["bench", "serve", "--model", "{model}", "--servers", "dense,vllm"],
+        r"--servers 'dense,vllm': unknown server 'vllm'; the kinds are dense, sparse, "
+        r"llama-server"),
+    Row("bench serve sparse unknown key (cli)",
+        ["bench", "serve", "--model", "{model}", "--servers", "sparse:top_k=64,no_such=1"],
+        r"unknown key 'no_such'; the keys are CacheConfig "),
+    Row("bench serve bad request rate (cli)",
+        ["bench", "serve", "--model", "{model}", "--servers", "dense", "--request-rate",
+         "1,fast"], r"--request-rate takes positive numbers or inf, comma-separated, got '1,fast'"),
+    Row("bench serve llama-server missing (cli)",
+        ["bench", "serve", "--model", "{model}", "--servers", "llama-server", "--llama-server",
+         "{f[no_config]}/llama-server"], r"no llama-server at \S+no_config/llama-server"),
 ]
 
 

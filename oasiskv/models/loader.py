@@ -278,6 +278,13 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     return Checkpoint(cfg, state_dict, tokenizer)
 
 
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model (an HF directory or a .gguf file) without its weights."""
+    path = Path(path)
+    return _gguf_tokenizer(path, None) if path.suffix == ".gguf" else \
+        AutoTokenizer.from_pretrained(path)
+
+
 def _cache_root() -> Path:
     return Path(os.environ.get("OASISKV_CACHE", Path.home() / ".cache" / "oasiskv"))
 

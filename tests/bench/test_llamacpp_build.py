@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-SETUP = Path(__file__).parents[2] / "scripts" / "setup_llamacpp.sh"
+SCRIPTS = Path(__file__).parents[2] / "scripts"
+SETUP = SCRIPTS / "setup_llamacpp.sh"
+# llama.cpp's own llama-server (bench serve), built by its own script with the same flags
+SETUPS = [SETUP, SCRIPTS / "setup_llama_server.sh"]
 
 
 def predefined(compiler: str, flags: list[str]) -> set[str]:
@@ -25,8 +28,10 @@ def predefined(compiler: str, flags: list[str]) -> set[str]:
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None,
                     reason="the AMX flags are x86 compiler flags")
-def test_setup_flags_take_amx_out_of_a_sapphire_rapids_build():
-    flags = re.search(r'no_amx="(-mno-amx[^"]*)"', SETUP.read_text()).group(1).split()
+@pytest.mark.parametrize("setup", SETUPS, ids=lambda p: p.name)
+def test_setup_flags_take_amx_out_of_a_sapphire_rapids_build(setup):
+    flags = re.search(r'no_amx="(-mno-amx[^"]*)"', setup.read_text()).group(1).split()
+    assert '-DGGML_AMX_INT8=OFF' in setup.read_text()
     arch = ["-march=sapphirerapids"]
     if subprocess.run(["cc", *arch, "-x", "c", "-E", "-"], input="",
                       capture_output=True).returncode != 0:
@@ -64,3 +69,21 @@ def test_installed_llamacpp_has_no_amx_and_is_native():
     for flag, name in (("avx2", "AVX2"), ("avx512f", "AVX512"), ("avx512_vnni", "AVX512_VNNI")):
         if flag in cpu_flags():
             assert f"{name} = 1" in info, (flag, info)
+
+
+def test_built_llama_server_has_no_amx_instructions():
+    """The llama-server bench serve runs (scripts/setup_llama_server.sh): no AMX tile
+    instruction anywhere in its code, while AVX2 code is there where the CPU has it."""
+    from oasiskv.bench.servers import llama_server_binary
+
+    try:
+        binary = llama_server_binary()
+    except ValueError as e:
+        pytest.skip(str(e))
+    if shutil.which("objdump") is None:
+        pytest.skip("needs objdump (binutils)")
+    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(binary)],
+                          capture_output=True, text=True, check=True).stdout
+    assert not re.search(r"\s(tdpb\w*|tileloadd\w*|ldtilecfg)\s", code)
+    if "avx2" in cpu_flags():  # native (else a missing AMX proves nothing)
+        assert re.search(r"\svpmaddubsw\s+%ymm", code)
