@@ -431,7 +431,8 @@ class SparseKV:
         rows = summary_rows(ids, S)
         self.kmin[layers, rows], self.kmax[layers, rows] = kmin, kmax
         if self.key_codes is not None:  # the key copy, with the summary
-            codes, scales = quantize_keys(keys, self.cfg.key_copy_bits)  # [layers, n, Hkv, d, B], [layers, n, Hkv]
+            # [layers, n, Hkv, d, B (int4: B/2)], [layers, n, Hkv]
+            codes, scales = quantize_keys(keys, self.cfg.key_copy_bits)
             self.key_codes[layers, ids], self.key_scales[layers, ids] = codes, scales
 
     # ---- per layer: selection and the attention masks ------------------------------------
