@@ -9,7 +9,7 @@ Prints each variant's median over interleaved repeats and its ratio to the first
 group: the summary scoring (sum, softmax-sum, softmax-max; and with summary_splits=2, two
 8-token sub-block summaries per block, sum and softmax-sum) and the rerank's second stage
 (rerank=2 at top_k=128: 256 candidate blocks per KV head, keys from the host tier or from the
-int8 copy; the engine's batched `rerank_layers` beside the per-layer reference it replaced).
+int8 or int4 copy; the engine's batched `rerank_layers` beside the per-layer reference it replaced).
 Absolute CPU times are noisy; compare ratios from one run."""
 
 from __future__ import annotations
@@ -94,7 +94,9 @@ def main() -> None:
     # One layer's data seen by every layer (expanded views: 33 MB, not 2 GB)
     host_kv = torch.randn(1, 1, HKV, R * stride * B, D)
     codes, kscales = quantize_keys(host_kv[:, 0].unflatten(2, (-1, B)))  # [1, ids, Hkv, ...]
-    codes, kscales = (x.expand(L, *x.shape[1:]) for x in (codes, kscales))
+    codes4, kscales4 = quantize_keys(host_kv[:, 0].unflatten(2, (-1, B)), 4)
+    codes, kscales, codes4, kscales4 = (x.expand(L, *x.shape[1:])
+                                        for x in (codes, kscales, codes4, kscales4))
     host_keys = host_kv[:, 0].unflatten(2, (-1, B)).transpose(1, 2).expand(L, -1, -1, -1, -1)
     ids = torch.arange(R)[:, None] * stride + torch.arange(N)  # [R, N] summary ids
     first = summed()  # [L, R, Hkv, N]
@@ -119,6 +121,7 @@ def main() -> None:
     report(f"rerank=2 second stage ({2 * K} candidates per KV head), keys from:", timed({
         "int8 reference": lambda: reference(True),
         "int8": lambda: rerank_layers(first, q, layer_scales, 2 * K, ids, codes, kscales),
+        "int4": lambda: rerank_layers(first, q, layer_scales, 2 * K, ids, codes4, kscales4),
         "host reference": lambda: reference(False),
         "host": lambda: rerank_layers(first, q, layer_scales, 2 * K, ids, host_keys),
     }, max(3, args.repeats // 5)))
