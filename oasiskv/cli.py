@@ -254,9 +254,9 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
                    help="sparse: resident tokens per KV head instead of --top-k: K = "
                    "budget / B for each --block-size (e.g. 512,2048 with --block-size "
                    "16,8 compares finer blocks at K=32's and K=128's budgets)")
-    p.add_argument("--rerank", default="0",
-                   help="sparse: re-rank the best c*K blocks by true attention over their "
-                   "host keys (values of c to compare, e.g. 0,2; 0 = off)")
+    p.add_argument("--rerank", default=f"{CacheConfig.rerank:g}",
+                   help="sparse: re-rank the best c*K blocks by attention over their keys "
+                   "(values of c to compare, e.g. 0,2; 0 = off)")
     p.add_argument("--summary-dtype", default="auto",
                    help="sparse: block summaries' dtype, values to compare (auto = "
                    "bfloat16 for float32 K/V, else the KV dtype; float32, float16, "
@@ -264,9 +264,9 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--score-aggregation", default=CacheConfig.score_aggregation,
                    help="sparse: how a KV head's query heads combine block scores (values to "
                    "compare: sum, softmax-sum, softmax-max)")
-    p.add_argument("--rerank-source", default="host",
+    p.add_argument("--rerank-source", default=CacheConfig.rerank_source,
                    help="sparse, with --rerank: where the re-ranking reads keys (values to "
-                   "compare: host, int8)")
+                   "compare: host, int8, int4)")
     p.add_argument("--dense-layers", default="0",
                    help="sparse: first layers kept dense (values to compare, e.g. 0,1,2)")
     p.add_argument("--summary-splits", default="1",

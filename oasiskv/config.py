@@ -161,12 +161,13 @@ class CacheConfig:
         "sets stay whole blocks; the summaries' device bytes (and scoring work) grow "
         "summary_splits times")
     rerank: float = _field(
-        0.0, "sparse: 0 (off) or c >= 1: the best c*top_k blocks by summary score are re-ranked "
-        "by the predicting query's true attention over their keys in the host tier (reads "
-        "c*top_k*block_size keys per KV head, layer and step; off the critical path with "
-        "lookahead or previous; one node only)")
+        2.0, "sparse: 0 (off) or c >= 1: the best c*top_k blocks by summary score are re-ranked "
+        "by the predicting query's attention over their keys (rerank_source: the device's key "
+        "copy or the host tier; c*top_k*block_size keys per KV head, layer and step). The "
+        "default: the Quest bound alone loses needles and perplexity at K=128 (docs/results); "
+        "predictor=oracle, which ranks by attention already, ignores it")
     rerank_source: str = _field(
-        "host", "sparse, with rerank: where the re-ranking reads its candidates' keys. host: "
+        "int8", "sparse, with rerank: where the re-ranking reads its candidates' keys. host: "
         "the host tier (exact); int8 / int4: a device copy of every complete block's post-RoPE "
         "keys, 8 or 4 bits with one scale per block and KV head, written with its summary "
         "(charged to device_kv_budget beside the summaries: B*d+4 bytes per block, layer and "
@@ -273,12 +274,6 @@ class CacheConfig:
         if self.rerank_source == "int4" and self.block_size % 2:
             raise ValueError(f"rerank_source='int4' packs two tokens' codes a byte: block_size "
                              f"must be even, got {self.block_size}")
-        if self.rerank_source != "host" and not self.rerank:
-            raise ValueError(f"rerank_source={self.rerank_source!r} is where rerank reads its "
-                             "keys: set rerank (c >= 1) too")
-        if self.rerank and self.predictor == "oracle":
-            raise ValueError("rerank re-ranks summary scores; predictor=oracle has none (it "
-                             "ranks every block by attention already)")
         self._check_remote()
 
     def _check_remote(self) -> None:
@@ -292,9 +287,10 @@ class CacheConfig:
         if spec != "none" and self.predictor == "oracle":
             raise ValueError("predictor=oracle reads every key of the host tier, which holds "
                              f"only part of the history with remote_store={spec!r}")
-        if spec != "none" and self.rerank:
-            raise ValueError("rerank reads its candidates' keys from the host tier, which holds "
-                             f"only part of the history with remote_store={spec!r}")
+        if spec != "none" and self.reranks and self.rerank_source == "host":
+            raise ValueError("rerank_source=host reads the candidates' keys from the host tier, "
+                             f"which holds only part of the history with remote_store={spec!r}: "
+                             "use the device's key copy (rerank_source=int8 or int4)")
         if spec != "none" and self.dense_layers:
             raise ValueError("dense_layers with remote_store is not supported yet (the dense "
                              "layers' device copy is indexed by host blocks, which a remote "
@@ -321,9 +317,15 @@ class CacheConfig:
         return self.top_k + 2
 
     @property
+    def reranks(self) -> bool:
+        """sparse: whether selections re-rank their candidates (rerank on, summary scores to
+        re-rank: not predictor=oracle)."""
+        return self.kv_mode == "sparse" and self.rerank > 0 and self.predictor != "oracle"
+
+    @property
     def key_copy(self) -> bool:
-        """sparse: whether the device holds a key copy (rerank_source=int8 or int4)."""
-        return self.rerank_source in ("int8", "int4")
+        """sparse: whether the device holds a key copy (a rerank from int8 or int4)."""
+        return self.reranks and self.rerank_source in ("int8", "int4")
 
     @property
     def key_copy_bits(self) -> int:

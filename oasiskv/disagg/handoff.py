@@ -2,7 +2,8 @@
 
 The prefill worker computes the prompt, puts its complete blocks to the remote store, runs one
 decode step more (its first query predicts the working set of the next step), and hands over:
-the request's tokens, the summaries (kmin/kmax) of every complete block, the K/V of the
+the request's tokens, the summaries (kmin/kmax) of every complete block (and the device's key
+copy of them, where the rerank reads one: it is indexed like the summaries), the K/V of the
 blocks after the prompt's last complete one (the active block), each layer's working set and
 its K/V, in one of three ways:
 
@@ -56,6 +57,10 @@ class Handoff:
     metrics: RequestMetrics  # arrival, first token (one process: perf_counter is shared)
     block_size: int
     summary_splits: int = 1  # the decode worker's must match (engine.add_handoff checks)
+    # the key copy of every complete block (rerank_source int8/int4), as the summaries:
+    # codes [L, n_full, Hkv, d, B (int4: B/2)], scales [L, n_full, Hkv]; None without one
+    key_codes: torch.Tensor | None = None
+    key_scales: torch.Tensor | None = None
 
     @property
     def num_prompt_blocks(self) -> int:
@@ -80,7 +85,8 @@ class Handoff:
         """Summaries, the K/V after the last prompt block, working sets: sent with the
         request itself."""
         return sum(t.numel() * t.element_size()
-                   for t in (self.kmin, self.kmax, self.tail, self.head_map, self.ages))
+                   for t in (self.kmin, self.kmax, self.tail, self.head_map, self.ages,
+                             self.key_codes, self.key_scales) if t is not None)
 
     @property
     def admission_bytes(self) -> int:
@@ -121,6 +127,9 @@ def take_handoff(kv: SparseKV, seq: Sequence, transfer: str) -> Handoff:
         draft_weights=seq.draft_weights,
         generator_state=None if seq.generator is None else seq.generator.get_state(),
         metrics=seq.metrics, block_size=B, summary_splits=kv.cfg.summary_splits)
+    if kv.key_codes is not None:
+        handoff.key_codes = kv.key_codes[:, ids].cpu()
+        handoff.key_scales = kv.key_scales[:, ids].cpu()
     if transfer == "slab":  # last: nothing that could fail after it leaves the slab stored
         handoff.slab_namespace = kv.remote.put_slab(namespace, kv.slab_kv(seq))
     return handoff
@@ -138,6 +147,9 @@ def receive_handoff(kv: SparseKV, seq: Sequence, handoff: Handoff) -> int:
     rows = summary_rows(ids, h.summary_splits)  # the same splits (engine.add_handoff)
     kmin, kmax = round_outward(h.kmin, h.kmax, kv.kmin.dtype)  # exact when the dtypes match
     kv.kmin[:, rows], kv.kmax[:, rows] = kmin.to(kv.kmin.device), kmax.to(kv.kmax.device)
+    if kv.key_codes is not None:  # the same kind of copy (engine.add_handoff)
+        kv.key_codes[:, ids] = h.key_codes.to(kv.key_codes.device)
+        kv.key_scales[:, ids] = h.key_scales.to(kv.key_scales.device)
     keep = h.kept
     if h.transfer == "full":  # all of the prompt arrives: keep the working sets' blocks, then
         capacity = kv.remote.capacity(P)  # the most recent ones

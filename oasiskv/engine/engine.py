@@ -193,7 +193,7 @@ class LLMEngine:
             t0 = time.perf_counter()
             warm_up_scores(self.sparse.kmin, cache.score_aggregation,
                            mc.num_heads // mc.num_kv_heads, cache.summary_splits)
-            if cache.rerank:  # its second stage, over the keys it reads
+            if cache.reranks:  # its second stage, over the keys it reads
                 keys = (self.sparse.key_codes if cache.key_copy else
                         self.sparse.host_kv[:, 0].unflatten(2, (-1, block)).transpose(1, 2))
                 warm_up_rerank(keys, mc.num_heads)
@@ -349,6 +349,15 @@ class LLMEngine:
             raise ValueError(f"hand-over of request {h.request_id!r} has summary_splits "
                              f"{h.summary_splits}, this engine's is "
                              f"{self.config.cache.summary_splits}: set it alike on both workers")
+        cache = self.config.cache
+        ours = cache.key_copy_bits if cache.key_copy else None
+        theirs = None if h.key_codes is None else (8 if h.key_codes.dtype == torch.int8 else 4)
+        if ours != theirs:
+            def kind(bits: int | None) -> str:
+                return "no key copy" if bits is None else f"an int{bits} key copy"
+            raise ValueError(f"hand-over of request {h.request_id!r} has {kind(theirs)}, this "
+                             f"engine reranks from {kind(ours)}: set rerank and rerank_source "
+                             "alike on both workers")
         if h.request_id in self.requests:
             raise ValueError(f"request id {h.request_id!r} is already in use")
         max_context = min(h.num_prompt_tokens + params.max_tokens, self.max_model_len)

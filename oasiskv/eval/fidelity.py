@@ -48,6 +48,7 @@ TASKS = ("passkey", "needle", "ppl")
 DEFAULT_F_HBM = CacheConfig.f_hbm
 DEFAULT_BLOCK_SIZE = CacheConfig.block_size
 DEFAULT_AGGREGATION = CacheConfig.score_aggregation
+DEFAULT_RERANK, DEFAULT_RERANK_SOURCE = CacheConfig.rerank, CacheConfig.rerank_source
 MAX_ANSWER_TOKENS = {"passkey": 12, "single": 20, "multikey": 20, "multivalue": 64}
 
 
@@ -62,11 +63,11 @@ class Setting:
     recent_blocks: int = 0
     f_hbm: float | str = DEFAULT_F_HBM
     block_size: int = DEFAULT_BLOCK_SIZE
-    rerank: float = 0.0
+    rerank: float = DEFAULT_RERANK
     forced_drafts: str = "known"  # ppl with lookahead: the text's next token, or a guess
     summary_dtype: str = "auto"
     score_aggregation: str = DEFAULT_AGGREGATION
-    rerank_source: str = "host"
+    rerank_source: str = DEFAULT_RERANK_SOURCE
     # any other CacheConfig fields, (name, value) pairs; named `name=value` where not default
     options: tuple[tuple[str, Any], ...] = ()
 
@@ -78,8 +79,10 @@ class Setting:
                                                        (self.recent_blocks, "recent")) if n)
         cap = "" if self.f_hbm == DEFAULT_F_HBM else f" f_hbm={self.f_hbm}"
         block = "" if self.block_size == DEFAULT_BLOCK_SIZE else f" B={self.block_size}"
-        source = "" if self.rerank_source == "host" else f" {self.rerank_source}"
-        rerank = f" rerank={self.rerank:g}{source}" if self.rerank else ""
+        # named where not the default (rerank=2 from the int8 copy)
+        source = "" if self.rerank_source == DEFAULT_RERANK_SOURCE else f" {self.rerank_source}"
+        rerank = ("" if (self.rerank, source) == (DEFAULT_RERANK, "") or self.predictor == "oracle"
+                  else f" rerank={self.rerank:g}{source if self.rerank else ''}")
         scoring = ("" if self.score_aggregation == DEFAULT_AGGREGATION
                    else f" {self.score_aggregation}")
         guessed = " guessed drafts" if self.forced_drafts == "guessed" else ""
@@ -105,16 +108,16 @@ def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
                   f_hbms: tuple[float | str, ...] = (DEFAULT_F_HBM,),
                   block_sizes: tuple[int, ...] = (DEFAULT_BLOCK_SIZE,),
                   token_budgets: tuple[int, ...] = (),
-                  reranks: tuple[float, ...] = (0.0,),
+                  reranks: tuple[float, ...] = (DEFAULT_RERANK,),
                   forced_drafts: tuple[str, ...] = ("known",),
                   summary_dtypes: tuple[str, ...] = ("auto",),
                   aggregations: tuple[str, ...] = (DEFAULT_AGGREGATION,),
-                  rerank_sources: tuple[str, ...] = ("host",),
+                  rerank_sources: tuple[str, ...] = (DEFAULT_RERANK_SOURCE,),
                   extra: dict[str, tuple] | None = None) -> list[Setting]:
     """dense, then every sparse combination. With token budgets, K = budget / B for each block
     size B instead of top_ks: finer blocks at the same resident tokens. Only lookahead drafts,
     so the other predictors take one forced_drafts value; only a rerank reads keys, so
-    rerank=0 takes the host (no keys read). `extra`: other CacheConfig fields and the values
+    rerank=0 takes one source (none is read). `extra`: other CacheConfig fields and the values
     to compare (each combination a setting; a default value stays out of its name)."""
     bad = [m for m in kv_modes if m not in ("dense", "sparse")]
     if bad or not kv_modes:
@@ -132,7 +135,8 @@ def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
                   for k in ([t // b for t in token_budgets] or top_ks)
                   for s in sinks for r in recents for f in f_hbms for p in predictors
                   for a in aggregations
-                  for c in reranks for src in (rerank_sources if c else ("host",))
+                  for c in reranks
+                  for src in (rerank_sources if c else rerank_sources[:1])
                   for d in (forced_drafts if p == "lookahead" else forced_drafts[:1])
                   for u in summary_dtypes]
         fields = list(extra or {})

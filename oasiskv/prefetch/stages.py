@@ -122,7 +122,7 @@ class SelectJob:
             pinned = pinned_blocks(self.lengths, n, kv.cfg.sink_blocks,
                                    kv.cfg.recent_blocks)[:, None, :]  # [R, 1, n]
             scores.masked_fill_(pinned, float("inf"))
-        if kv.cfg.rerank:
+        if kv.cfg.reranks:
             scores = self._rerank(scores)
             if pinned is not None:
                 scores.masked_fill_(pinned, float("inf"))
