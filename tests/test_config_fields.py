@@ -364,10 +364,10 @@ def _summary_splits(ctx: Ctx) -> None:
 def _rerank(ctx: Ctx) -> None:
     """exact + rerank over every block (8 * top_k = 16 >= 10 blocks) ranks by attention mass
     as the oracle does: the same working sets at every step; exact alone differs."""
-    kw = dict(kv_mode="sparse", top_k=2, f_hbm=1.0)
+    kw = dict(kv_mode="sparse", top_k=2, f_hbm=1.0, rerank_source="host")
     oracle = run(ctx.path, **kw, predictor="oracle").sets()
     assert run(ctx.path, **kw, predictor="exact", rerank=8).sets() == oracle
-    assert run(ctx.path, **kw, predictor="exact").sets() != oracle
+    assert run(ctx.path, **kw, predictor="exact", rerank=0).sets() != oracle
 
 
 @row("rerank_source")
@@ -375,16 +375,16 @@ def _rerank_source(ctx: Ctx) -> None:
     """int8: the rerank reads the device's int8 key copy, charged beside the summaries (per
     block: 2 layers x 2 KV heads x (16 x 16 codes + a 4-byte scale)). Its working sets are the
     top-K by attention mass over the int8 keys (`int8_keys`, by hand), not over the exact
-    ones; host (the default) the other way round."""
-    assert all(reranks_like(ctx.path, True, rerank_source="int8"))
-    assert not all(reranks_like(ctx.path, False, rerank_source="int8"))
-    assert all(reranks_like(ctx.path, False))
-    assert not all(reranks_like(ctx.path, True))
+    ones (int8 is the default); host the other way round."""
+    assert all(reranks_like(ctx.path, True))
+    assert not all(reranks_like(ctx.path, False))
+    assert all(reranks_like(ctx.path, False, rerank_source="host"))
+    assert not all(reranks_like(ctx.path, True, rerank_source="host"))
     kw = dict(kv_mode="sparse", top_k=2, rerank=8)
-    stats = run(ctx.path, **kw, rerank_source="int8").stats
+    stats = run(ctx.path, **kw).stats
     assert stats["key_copy_bytes_per_block"] == 2 * 2 * (16 * 16 + 4)
     assert stats["summary_bytes_per_block"] == 2 * 2 * 2 * 16 * 2 + 2 * 2 * (16 * 16 + 4)
-    assert "key_copy_bytes_per_block" not in run(ctx.path, **kw).stats
+    assert "key_copy_bytes_per_block" not in run(ctx.path, **kw, rerank_source="host").stats
 
 
 @row("summary_dtype")

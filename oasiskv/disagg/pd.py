@@ -201,6 +201,11 @@ class DisaggregatedLLM:
         if splits[0] != splits[1]:  # a hand-over's summaries are installed as they are
             raise ValueError(f"summary_splits must be the same on both workers, got prefill "
                              f"{splits[0]}, decode {splits[1]}")
+        copies = [c.cache.rerank_source if c.cache.key_copy else "none"
+                  for c in (prefill_config, decode_config)]
+        if copies[0] != copies[1]:  # a hand-over's key copy is installed as it is
+            raise ValueError(f"the rerank's key copy must be the same on both workers, got "
+                             f"prefill {copies[0]}, decode {copies[1]}")
         self.decode = LLMEngine(decode_config)
         try:
             self.prefill = ProcessPrefill(prefill_config) if mooncake else LocalPrefill(

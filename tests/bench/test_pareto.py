@@ -146,15 +146,15 @@ def test_the_same_configuration_twice_and_bad_levels_fail_first(model, capsys):
 
 
 def test_any_cache_field_is_an_option_of_its_setting():
-    opts = parse_sparse("top_k=64,score_alpha=0.5,f_hbm=0.05,prefault_kv=yes,rerank=2")
+    opts = parse_sparse("top_k=64,score_alpha=0.5,f_hbm=0.05,prefault_kv=yes,rerank=3")
     assert opts == {"top_k": 64, "score_alpha": 0.5, "f_hbm": 0.05, "prefault_kv": True,
-                    "rerank": 2.0}
+                    "rerank": 3.0}
     dense, setting = parse_settings(["top_k=64,score_alpha=0.5,f_hbm=0.05,prefault_kv=yes,"
-                                     "rerank=2"])
+                                     "rerank=3"])
     assert dense.name == "dense" and setting.options == (("score_alpha", 0.5),
                                                          ("prefault_kv", True))
     # named fields by Setting's own words, the others as field=value where not the default
-    assert setting.name == "sparse K=64 lookahead rerank=2 score_alpha=0.5 prefault_kv=True"
+    assert setting.name == "sparse K=64 lookahead rerank=3 score_alpha=0.5 prefault_kv=True"
     kw = setting.engine_kwargs()
     assert kw["score_alpha"] == 0.5 and kw["prefault_kv"] is True and kw["top_k"] == 64
     default = parse_settings(None)[1]

@@ -348,7 +348,8 @@ def test_a_failing_put_fails_only_that_request(tiny_llama):
     (dict(remote_store="redis://x:1"), "remote_store must be"),
     (dict(remote_store="mooncake://host"), "remote_store must be"),
     (dict(remote_store="inprocess", predictor="oracle"), "oracle reads every key"),
-    (dict(remote_store="inprocess", rerank=2), "rerank reads its candidates' keys"),
+    (dict(remote_store="inprocess", rerank_source="host"),
+     "rerank_source=host reads the candidates' keys from the host tier"),
 ])
 def test_bad_remote_settings_are_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

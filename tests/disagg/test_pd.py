@@ -90,6 +90,34 @@ def test_split_summaries_travel_with_the_hand_over(tiny_llama):
     other.close()
 
 
+@pytest.mark.parametrize("source", ["int8", "int4"])
+def test_the_key_copy_travels_with_the_hand_over(tiny_llama, source):
+    """The rerank's device key copy (indexed like the summaries) crosses with them: the
+    decode worker continues as one engine with the same setting, the hand-over holds every
+    complete block's codes; workers that disagree are refused."""
+    prompts = prompts_of([230, 180], seed=4)
+    kw = {**SPARSE, "rerank": 2, "rerank_source": source}
+    want = single_node(tiny_llama, prompts, **kw)
+    pd = DisaggregatedLLM(str(tiny_llama), transfer="partial", **kw)
+    got = pd.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in got] == want
+    h = next(iter(pd.handoffs.values()))
+    bits = int(source[3:])
+    n_full = h.num_computed_tokens // B
+    assert h.key_codes.shape[1:] == (n_full, h.tail.shape[2], h.tail.shape[4], B * bits // 8)
+    assert h.key_scales.shape[1:] == (n_full, h.tail.shape[2])
+    assert h.metadata_bytes >= h.key_codes.numel() + 4 * h.key_scales.numel()
+    pd.close()
+    with pytest.raises(ValueError, match=f"key copy must be the same on both workers, got "
+                                         f"prefill {source}, decode none"):
+        DisaggregatedLLM(str(tiny_llama), decode={"rerank": 0}, **kw)
+    other = LLM(str(tiny_llama), **SPARSE, remote_store="inprocess", rerank=0)
+    with pytest.raises(ValueError, match=f"has an {source} key copy, this engine reranks "
+                                         "from no key copy"):
+        other.engine.add_handoff(h, GREEDY)
+    other.close()
+
+
 def record_admissions(pd: DisaggregatedLLM) -> list[tuple]:
     """Per admission of the decode worker: (namespace, keys it read, prompt blocks on its
     host, each working-set (layer, slot, head) of its slab [n, 2, B, d], the same blocks'
