@@ -406,6 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="other engines on the same prompts: hf (transformers generate), llamacpp "
                      "(llama.cpp on the same GGUF; scripts/setup_llamacpp.sh builds it)")
     thr.add_argument("--predictor", default="lookahead")
+    thr.add_argument("--rerank", type=float, default=CacheConfig.rerank,
+                     help="sparse: re-rank the best c*K blocks by attention over their keys "
+                     "(0 = off: the Quest bound alone)")
+    thr.add_argument("--rerank-source", default=CacheConfig.rerank_source,
+                     help="sparse, with --rerank: int8 or int4 (the device's key copy, "
+                     "charged to the budget) or host")
     thr.add_argument("--repeats", type=int, default=1,
                      help="runs of every mode per level, in turn; the row is the median-TPS run")
     thr.add_argument("--dtype", default="float32")

@@ -261,7 +261,8 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
         base["num_threads"] = args.num_threads
     runs = [("dense", {"kv_mode": "dense"})] if "dense" in modes else []
     runs += [("sparse", {"kv_mode": "sparse", "top_k": args.top_k, "f_hbm": f,
-                         "predictor": args.predictor, "host_kv_budget": host_budget})
+                         "predictor": args.predictor, "host_kv_budget": host_budget,
+                         "rerank": args.rerank, "rerank_source": args.rerank_source})
              for f in (f_hbms if "sparse" in modes else [])]
     for _, kw in runs:  # bad settings fail now, not after the prefill
         EngineConfig.from_kwargs(**base, **kw)
