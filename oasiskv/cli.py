@@ -336,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     from oasiskv.serve.server import add_parser as add_serve_parser  # light: no server imports
 
     add_serve_parser(sub)
+    from oasiskv.serve.router_cli import add_parser as add_router_parser
+
+    add_router_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
                                                                       required=True)
