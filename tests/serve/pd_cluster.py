@@ -127,8 +127,8 @@ def live_router(prefill: list[str], decode: list[str], transfer: str | None = No
 
 
 def store_leftovers(master: MasterHandle) -> int:
-    """Blocks the store holds under OasisKV's key prefix (removed by the count: a test calls
-    this when the store should be empty)."""
+    """Blocks the store holds under OasisKV's key prefix. Counted by removing them: call it
+    once, when the store should be empty."""
     import torch
 
     from oasiskv.disagg.remote_store import MooncakeStore

@@ -10,7 +10,10 @@ goes to the other one."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -28,7 +31,7 @@ from pd_cluster import (
     wait_healthy,
 )
 
-from oasiskv.disagg.mooncake import start_master
+from oasiskv.disagg.mooncake import free_port, start_master
 from oasiskv.disagg.store_node import StoreNode
 
 pytestmark = needs_mooncake
@@ -115,6 +118,63 @@ def test_errors_are_the_ones_serve_gives(cluster, single):
         assert wrong.status_code == 401
 
 
+def test_router_command_serves_and_a_closed_stream_aborts_on_the_worker(cluster, single):
+    """`oasiskv router` as its own process; a client that leaves mid-stream cancels the
+    request on the decode worker that holds it."""
+    model = single.state.model_name
+    port = free_port()
+    decode = cluster["decode"][0]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "oasiskv.cli", "router", "--port", str(port), "--prefill",
+         cluster["prefill"][0].url, "--decode", decode.url],
+        env=dict(os.environ, OASISKV_WORKER_TOKEN=TOKEN), stderr=subprocess.PIPE, text=True)
+    try:
+        assert "oasiskv router: 1 prefill, 1 decode workers" in proc.stderr.readline()
+        url = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 30
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < end
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        want = single.client().completions.create(model=model, prompt=PROMPTS[0], **GREEDY)
+        got = client.completions.create(model=model, prompt=PROMPTS[0], **GREEDY)
+        assert got.choices[0].text == want.choices[0].text
+
+        def aborted() -> float:
+            text = httpx.get(decode.url + "/metrics").text
+            return sum(float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith('oasiskv:request_finished_total{finished_reason="abort"'))
+
+        before = aborted()
+        stream = client.completions.create(model=model, prompt=PROMPTS[1], stream=True,
+                                           max_tokens=400, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()  # the client leaves
+        end = time.monotonic() + 10
+        while aborted() == before:
+            assert time.monotonic() < end, "the decode worker never aborted the request"
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+
+
+@pytest.mark.parametrize("args, words", [
+    (["router", "--prefill", "http://a:1", "--decode", "http://b:2"], "needs the workers' token"),
+    (["router", "--worker-token", "t", "--prefill", "a:1"], "must be http://HOST:PORT"),
+    (["serve", "--role", "prefill"], "needs the token it shares with the router"),
+    (["serve", "--worker-token", "t"], "--worker-token is for a --role worker"),
+])
+def test_bad_flags_are_one_line_and_exit_2(args, words, capsys, monkeypatch):
+    from oasiskv.cli import main
+
+    monkeypatch.delenv("OASISKV_WORKER_TOKEN", raising=False)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1
+
+
 def _holder(router, decode) -> object:
     """The decode worker process that holds the router's one request in flight."""
     for w in router.router.pool.of("decode"):
@@ -152,10 +212,11 @@ def test_decode_worker_killed_mid_stream_fails_only_its_request(cluster, single)
         assert again.choices[0].text == want_other  # the next request is served
         down = [w.url for w in router.router.pool.of("decode") if not w.healthy]
         assert down == [victim.url]
-    end = time.monotonic() + 10
-    while (left := store_leftovers(cluster["master"])) and time.monotonic() < end:
-        time.sleep(0.2)  # the router drops the failed request's blocks in the background
-    assert left == 0
+        end = time.monotonic() + 10  # the router drops the failed request's blocks, in the
+        while not router.router.dropped._value.get():  # background, through a live worker
+            assert time.monotonic() < end, "the router dropped nothing"
+            time.sleep(0.05)
+    assert store_leftovers(cluster["master"]) == 0
 
 
 def test_prompt_on_a_dead_prefill_worker_is_retried_on_the_other(cluster, single):
