@@ -5,11 +5,6 @@ the `oasiskv router` command itself)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +14,9 @@ from dataclasses import dataclass, field
 import httpx
 import openai
 
-from oasiskv.disagg.mooncake import MasterHandle, free_port
+from oasiskv.disagg import launch
+from oasiskv.disagg.launch import WorkerProc, wait_healthy  # noqa: F401 - for the tests
+from oasiskv.disagg.mooncake import MasterHandle
 from oasiskv.serve.pool import WorkerPool
 from oasiskv.serve.router import Router, build_router_app
 from oasiskv.serve.server import bind
@@ -30,63 +27,8 @@ SPARSE = dict(kv_mode="sparse", top_k=2, f_hbm=0.5, max_num_seqs=3,
               max_num_batched_tokens=640, num_threads=1, device_kv_budget="1MiB")
 
 
-def flags(kwargs: dict) -> list[str]:
-    return [a for k, v in kwargs.items() for a in (f"--{k.replace('_', '-')}", str(v))]
-
-
-@dataclass
-class WorkerProc:
-    role: str
-    url: str
-    process: subprocess.Popen
-    log: object  # a temporary file: its stderr
-
-    def log_tail(self, n: int = 30) -> str:
-        self.log.seek(0)
-        return "\n".join(self.log.read().decode(errors="replace").splitlines()[-n:])
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.log.close()
-
-
 def start_worker(role: str, model, master: MasterHandle, **engine) -> WorkerProc:
-    port = free_port()
-    args = [sys.executable, "-m", "oasiskv.cli", "serve", "--role", role, "--port", str(port),
-            "--model", str(model), "--remote-store", f"mooncake://{master.address}",
-            "--remote-lend", "0", *flags({**SPARSE, **engine})]
-    log = tempfile.TemporaryFile()
-    env = dict(os.environ, OASISKV_WORKER_TOKEN=TOKEN)
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            stdin=subprocess.DEVNULL)
-    return WorkerProc(role, f"http://127.0.0.1:{port}", proc, log)
-
-
-def wait_healthy(workers: list[WorkerProc], timeout_s: float = 180.0) -> None:
-    end = time.monotonic() + timeout_s
-    for w in workers:
-        while True:
-            if w.process.poll() is not None:
-                raise RuntimeError(f"{w.role} worker exited ({w.process.returncode}):\n"
-                                   + w.log_tail())
-            try:
-                if httpx.get(w.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > end:
-                raise RuntimeError(f"{w.role} worker did not come up:\n" + w.log_tail())
-            time.sleep(0.2)
+    return launch.start_worker(role, master, {"model": model, **SPARSE, **engine}, TOKEN)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from pd_cluster import (
     wait_healthy,
 )
 
+from oasiskv.disagg import launch
 from oasiskv.disagg.mooncake import free_port, start_master
 from oasiskv.disagg.store_node import StoreNode
 
@@ -238,3 +239,31 @@ def test_prompt_on_a_dead_prefill_worker_is_retried_on_the_other(cluster, single
         assert again.choices[0].text == want.choices[0].text
         assert router.router.retries._value.get() == 1
     assert store_leftovers(cluster["master"]) == 0
+
+
+def test_pd_serve_launches_the_whole_deployment_on_one_machine(tiny_llama, single):
+    """`oasiskv pd --serve`: master, storage node, workers and router from one command; the
+    router answers as one serve; SIGTERM takes it all down and exits 0."""
+    port = free_port()
+    args = [sys.executable, "-m", "oasiskv.cli", "pd", "--serve", "--port", str(port),
+            "--model", str(tiny_llama), "--decode-workers", "2", "--store-bytes", "128MiB",
+            *launch.flags(SPARSE)]
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not lines or "router on" not in lines[-1]:
+            line = proc.stderr.readline()
+            assert line, "the launcher exited:\n" + "".join(lines)
+            lines.append(line)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0)
+        model = single.state.model_name
+        want = single.client().completions.create(model=model, prompt=PROMPTS, **GREEDY)
+        got = client.completions.create(model=model, prompt=PROMPTS, **GREEDY)
+        assert [c.text for c in got.choices] == [c.text for c in want.choices]
+        workers = httpx.get(f"http://127.0.0.1:{port}/workers").json()["workers"]
+        assert sorted(w["role"] for w in workers if w["healthy"]) == ["decode", "decode",
+                                                                      "prefill"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
