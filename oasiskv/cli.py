@@ -72,9 +72,16 @@ def _cmd_pd(args: argparse.Namespace) -> int:
     from oasiskv.disagg.mooncake import local_master
     from oasiskv.disagg.pd import DisaggregatedLLM
 
-    prompt = read_prompt(args)
     kwargs = {"kv_mode": "sparse", **engine_kwargs(args)}
     decode = {"f_host": kwargs.pop("f_host", 1.0)}
+    if args.serve:
+        from oasiskv.config import parse_bytes
+        from oasiskv.disagg.launch import serve_local
+
+        return serve_local(kwargs, args.prefill_workers, args.decode_workers,
+                           parse_bytes(args.store_bytes), args.host, args.port, args.transfer,
+                           decode)
+    prompt = read_prompt(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             seed=args.sampling_seed, ignore_eos=args.ignore_eos)
     with contextlib.ExitStack() as stack:
@@ -330,12 +337,24 @@ def build_parser() -> argparse.ArgumentParser:
     pdp.add_argument("--mooncake", action="store_true",
                      help="start a Mooncake master here (private network namespace) and run "
                      "the prefill worker in its own process over it")
+    pdp.add_argument("--serve", action="store_true",
+                     help="serve instead of one prompt: a Mooncake master, a storage node, "
+                     "prefill and decode workers and a router on this machine")
+    pdp.add_argument("--prefill-workers", type=int, default=1, help="with --serve")
+    pdp.add_argument("--decode-workers", type=int, default=1, help="with --serve")
+    pdp.add_argument("--host", default="127.0.0.1", help="with --serve: the router's address")
+    pdp.add_argument("--port", type=int, default=8000, help="with --serve: the router's port")
+    pdp.add_argument("--store-bytes", default="1GiB",
+                     help="with --serve: memory the storage node lends the store")
     add_engine_flags(pdp)
     pdp.set_defaults(func=_cmd_pd)
 
     from oasiskv.serve.server import add_parser as add_serve_parser  # light: no server imports
 
     add_serve_parser(sub)
+    from oasiskv.serve.router_cli import add_parser as add_router_parser
+
+    add_router_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
                                                                       required=True)

@@ -10,6 +10,7 @@ holds it until its stdin closes (the parent's `StoreNode.close`, or the parent's
 
 from __future__ import annotations
 
+import os
 import select
 import subprocess
 import sys
@@ -59,9 +60,13 @@ class StoreNode:
 
 def main(argv: list[str]) -> None:
     master_addr, lend_bytes = argv[0], int(argv[1])
+    env = os.environ  # where peers reach this node, as the engines' stores (remote_tier)
     # the block shape is the readers' business; this node only mounts its segment
     store = MooncakeStore((2, 1, 1, 1), torch.float32, master_addr, segment_bytes=lend_bytes,
-                          max_batch_blocks=1)
+                          max_batch_blocks=1,
+                          local_hostname=env.get("OASISKV_MOONCAKE_HOSTNAME", "127.0.0.1"),
+                          protocol=env.get("OASISKV_MOONCAKE_PROTOCOL", "tcp"),
+                          rdma_devices=env.get("OASISKV_MOONCAKE_RDMA_DEVICES", ""))
     print("ready", flush=True)
     sys.stdin.read()  # until the parent closes it
     store.close()

@@ -334,6 +334,11 @@ class LLMEngine:
         """Decode worker: continues a request a prefill worker handed over (`params` as the
         client sent them). Its prompt blocks stay in the shared remote store; the kept ones
         are read at admission, the others when a step wants them."""
+        return self.add_sequence(self.make_handoff_sequence(handoff, params))
+
+    def make_handoff_sequence(self, handoff: Handoff, params: SamplingParams) -> Sequence:
+        """`add_handoff`'s checks and request, not yet added (a server validates on its
+        request's thread and adds between steps, as `make_sequence`)."""
         self._check_remote("a handed-over request")
         h, mc, B = handoff, self.model_config, self.config.cache.block_size
         L, _, hkv, _, d = h.tail.shape
@@ -378,7 +383,7 @@ class LLMEngine:
             seq.generator = torch.Generator()
             seq.generator.set_state(h.generator_state)
         seq.output_text = self.decode(seq)
-        return self.add_sequence(seq)
+        return seq
 
     def _check_remote(self, what: str) -> None:
         if self.sparse is None or self.sparse.remote is None:

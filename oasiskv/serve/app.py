@@ -39,18 +39,14 @@ def _validation_error(exc: RequestValidationError) -> BadRequest:
     return BadRequest("invalid request: " + "; ".join(parts), param=first)
 
 
-def build_app(state: ServerState, api_key: str | None = None,
-              max_body_bytes: int = 10 * 2**20) -> FastAPI:
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        state.engine.start()
-        yield
-        await asyncio.to_thread(state.engine.stop)
-
-    app = FastAPI(title="oasiskv", lifespan=lifespan, docs_url=None, redoc_url=None)
+def add_middleware(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(ApiKey, api_key=api_key)
     app.add_middleware(RequestId)  # outermost: every response carries the id
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error JSON."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -70,6 +66,19 @@ def build_app(state: ServerState, api_key: str | None = None,
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("request failed")
         return _error_response(EngineFailure(f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def build_app(state: ServerState, api_key: str | None = None,
+              max_body_bytes: int = 10 * 2**20) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine.start()
+        yield
+        await asyncio.to_thread(state.engine.stop)
+
+    app = FastAPI(title="oasiskv", lifespan=lifespan, docs_url=None, redoc_url=None)
+    add_middleware(app, api_key, max_body_bytes)
+    add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:

@@ -91,6 +91,7 @@ class AsyncEngine:
         self._stopping = False
         self.num_waiting = 0  # the engine's, as of the last step (loop thread writes)
         self.num_running = 0
+        self.queued_prompt_tokens = 0
         self._thread = threading.Thread(target=self._run, name="oasiskv-engine", daemon=True)
 
     # ---- event loop side ------------------------------------------------------------------
@@ -171,8 +172,10 @@ class AsyncEngine:
         with self._lock:
             self._pending -= len(stream.seqs)
         for seq in stream.seqs:
-            if seq.request_id not in stream.unfinished:
-                continue  # aborted before it was added
+            if seq.request_id not in stream.unfinished:  # aborted before it was added
+                if seq.handoff is not None:  # nobody else will drop its blocks
+                    self.engine.sparse.remote.drop_handoff(seq.handoff)
+                continue
             try:
                 self.engine.add_sequence(seq)
             except Exception as e:  # noqa: BLE001 - this request fails, nothing else
@@ -211,5 +214,8 @@ class AsyncEngine:
     def _publish(self) -> None:
         sched = self.engine.scheduler
         self.num_running, self.num_waiting = len(sched.running), len(sched.waiting)
+        # prompt tokens not yet computed: what a router weighs prefill workers by
+        self.queued_prompt_tokens = sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
+                                        for s in [*sched.running, *sched.waiting])
         self.metrics.set_queues(self.num_running, self.num_waiting + self._pending)
         self.metrics.update(self.engine)

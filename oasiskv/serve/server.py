@@ -10,12 +10,18 @@ import argparse
 import contextlib
 import logging
 import math
+import os
 import signal
 import socket
 import sys
 from dataclasses import dataclass
 
 from oasiskv.config import parse_bytes
+from oasiskv.disagg.handoff import TRANSFERS
+
+ROLES = ("prefill", "decode")
+TOKEN_ENV = "OASISKV_WORKER_TOKEN"
+WORKER_KEEPALIVE = 1.0  # seconds: a router tells a live worker's silence from a dead one's
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +37,8 @@ class ServeOptions:
     max_body_bytes: int | str = 10 * 2**20
     shutdown_timeout: float = 30.0
     sse_keepalive: float = 15.0  # seconds without output before a stream's keep-alive comment
+    role: str | None = None  # "prefill" | "decode": a worker behind `oasiskv router`
+    transfer: str = "partial"  # a prefill worker's hand-over (disagg.handoff.TRANSFERS)
 
     def __post_init__(self) -> None:
         self.max_body_bytes = parse_bytes(self.max_body_bytes)
@@ -47,6 +55,9 @@ class ServeOptions:
                                  f"seconds, got {value}")
         if self.api_key == "":
             raise ValueError("--api-key is empty")
+        if self.role is not None and not self.api_key:
+            raise ValueError(f"--role {self.role} needs the token it shares with the router: "
+                             f"--worker-token or ${TOKEN_ENV}")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -69,8 +80,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     help="largest request body, e.g. 10MiB (413 above)")
     sp.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                     help="on SIGTERM: seconds requests in flight get to finish")
-    sp.add_argument("--sse-keepalive", type=float, default=d.sse_keepalive,
-                    help="seconds without output before a stream gets a keep-alive comment")
+    sp.add_argument("--sse-keepalive", type=float, default=None,
+                    help="seconds without output before a stream gets a keep-alive comment "
+                    f"(default: {d.sse_keepalive}; {WORKER_KEEPALIVE} for a --role worker)")
+    sp.add_argument("--role", choices=ROLES, default=None,
+                    help="a worker behind `oasiskv router` (disaggregated serving): prefill "
+                    "computes prompts and hands them over through --remote-store, decode "
+                    "continues them")
+    sp.add_argument("--worker-token", default=None,
+                    help=f"with --role: the token shared with the router (default: ${TOKEN_ENV})")
+    sp.add_argument("--transfer", choices=TRANSFERS, default=d.transfer,
+                    help="with --role prefill: what a hand-over moves at admission (partial: "
+                    "the first working sets' blocks; slab: their per-head slices; full: the "
+                    "whole prompt)")
     add_engine_flags(sp)
     sp.set_defaults(func=run)
     return sp
@@ -84,12 +106,15 @@ def make_server(llm, options: ServeOptions, log_level: str = "info"):
     from oasiskv.serve.async_engine import AsyncEngine
     from oasiskv.serve.metrics import ServerMetrics
     from oasiskv.serve.serving import ServerState
+    from oasiskv.serve.worker import add_worker_routes
 
     engine = AsyncEngine(llm.engine, ServerMetrics(), options.max_waiting,
                          options.request_timeout)
     state = ServerState(llm, engine, options.served_model_name or llm.engine.config.model,
                         options.sse_keepalive)
     app = build_app(state, options.api_key, options.max_body_bytes)
+    if options.role is not None:
+        add_worker_routes(app, state, options.role, options.transfer)
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=log_level,
                             timeout_graceful_shutdown=options.shutdown_timeout)
     return uvicorn.Server(config), state
@@ -106,18 +131,32 @@ def run(args: argparse.Namespace) -> int:
     from oasiskv import LLM
     from oasiskv.cli import engine_kwargs
 
+    role = args.role
+    if role is None and args.worker_token:
+        raise ValueError("--worker-token is for a --role worker")
+    keepalive = args.sse_keepalive or (WORKER_KEEPALIVE if role else ServeOptions.sse_keepalive)
     options = ServeOptions(
-        host=args.host, port=args.port, api_key=args.api_key,
+        host=args.host, port=args.port,
+        api_key=(args.worker_token or os.environ.get(TOKEN_ENV)) if role else args.api_key,
         served_model_name=args.served_model_name, max_waiting=args.max_waiting,
         request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
-        shutdown_timeout=args.shutdown_timeout, sse_keepalive=args.sse_keepalive)
+        shutdown_timeout=args.shutdown_timeout, sse_keepalive=keepalive, role=role,
+        transfer=args.transfer)
+    if role and args.api_key:
+        raise ValueError("a --role worker takes --worker-token, not --api-key (clients talk "
+                         "to the router, which has its own --api-key)")
+    kwargs = engine_kwargs(args)
+    if role:  # the hand-over is the sparse mode's; a decode worker lends the store nothing
+        kwargs = {"kv_mode": "sparse", **({"remote_lend": 0} if role == "decode" else {}),
+                  **kwargs}
     sock = bind(options.host, options.port)  # before the model loads: a taken port fails fast
     with contextlib.closing(sock):
-        llm = LLM(**engine_kwargs(args))
+        llm = LLM(**kwargs)
         try:
             server, state = make_server(llm, options)
             host, port = sock.getsockname()[:2]
-            print(f"oasiskv serve: {state.model_name} on http://{host}:{port}/v1",
+            what = f"{role} worker" if role else "serve"
+            print(f"oasiskv {what}: {state.model_name} on http://{host}:{port}/v1",
                   file=sys.stderr, flush=True)
             # uvicorn handles SIGTERM/SIGINT itself and, once shut down, raises the signal
             # again for the handler that was there before it: that one must not kill us.

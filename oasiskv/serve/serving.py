@@ -17,7 +17,7 @@ from oasiskv.engine.sequence import Sequence
 from oasiskv.outputs import RequestOutput
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.serve import protocol as p
-from oasiskv.serve.async_engine import AsyncEngine
+from oasiskv.serve.async_engine import AsyncEngine, RequestStream
 from oasiskv.serve.errors import BadRequest, ModelNotFound
 from oasiskv.serve.streaming import SSEResponse, TextStream, sse_events
 
@@ -186,9 +186,11 @@ def _params(req: p.SamplingRequest, max_tokens: int, logprobs: bool) -> Sampling
         raise BadRequest(str(e)) from None
 
 
-def _sequences(state: ServerState, prompts: list, params: list[SamplingParams]) -> list[Sequence]:
-    """Engine requests, validated by the engine (its ValueError is the 400's message)."""
-    base, seqs = uuid.uuid4().hex, []
+def _sequences(state: ServerState, prompts: list, params: list[SamplingParams],
+               base: str | None = None) -> list[Sequence]:
+    """Engine requests, validated by the engine (its ValueError is the 400's message); their
+    ids are `base-i` (a router names them, to find their store namespaces)."""
+    base, seqs = base or uuid.uuid4().hex, []
     for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
         try:
             seqs.append(state.llm.engine.make_sequence(prompt, sp, request_id=f"{base}-{i}"))
@@ -198,19 +200,17 @@ def _sequences(state: ServerState, prompts: list, params: list[SamplingParams]) 
     return seqs
 
 
-async def create_completion(state: ServerState, req: p.CompletionRequest,
-                            request: Request) -> Response:
+def completion_sequences(state: ServerState, req: p.CompletionRequest,
+                         base: str | None = None) -> list[Sequence]:
     state.check_model(req.model)
     req.check_supported()
     prompts = req.prompts()
     params = _params(req, req.max_output_tokens, logprobs=req.logprobs is not None)
-    seqs = _sequences(state, prompts, [params] * len(prompts))
-    fmt = CompletionFormat(uuid.uuid4().hex, state.model_name)
-    return await _respond(state, request, seqs, req, fmt)
+    return _sequences(state, prompts, [params] * len(prompts), base)
 
 
-async def create_chat_completion(state: ServerState, req: p.ChatCompletionRequest,
-                                 request: Request) -> Response:
+def chat_sequences(state: ServerState, req: p.ChatCompletionRequest,
+                   base: str | None = None) -> list[Sequence]:
     state.check_model(req.model)
     req.check_supported()
     messages = [m.as_template_input(i) for i, m in enumerate(req.messages)]
@@ -221,14 +221,35 @@ async def create_chat_completion(state: ServerState, req: p.ChatCompletionReques
     max_tokens = req.max_output_tokens  # default: the rest of the context, as vLLM's
     if max_tokens is None:
         max_tokens = max(1, state.llm.engine.max_model_len - len(ids))
-    seqs = _sequences(state, [ids], [_params(req, max_tokens, logprobs=req.logprobs)])
-    fmt = ChatFormat(uuid.uuid4().hex, state.model_name)
-    return await _respond(state, request, seqs, req, fmt)
+    return _sequences(state, [ids], [_params(req, max_tokens, logprobs=req.logprobs)], base)
+
+
+def response_format(req: p.SamplingRequest, model_name: str) -> CompletionFormat:
+    cls = ChatFormat if isinstance(req, p.ChatCompletionRequest) else CompletionFormat
+    return cls(uuid.uuid4().hex, model_name)
+
+
+async def create_completion(state: ServerState, req: p.CompletionRequest,
+                            request: Request) -> Response:
+    seqs = completion_sequences(state, req)
+    return await _respond(state, request, seqs, req, response_format(req, state.model_name))
+
+
+async def create_chat_completion(state: ServerState, req: p.ChatCompletionRequest,
+                                 request: Request) -> Response:
+    seqs = chat_sequences(state, req)
+    return await _respond(state, request, seqs, req, response_format(req, state.model_name))
 
 
 async def _respond(state: ServerState, request: Request, seqs: list[Sequence],
                    req: p.SamplingRequest, fmt: CompletionFormat) -> Response:
-    stream = state.engine.submit(seqs)
+    return await respond(state, request, state.engine.submit(seqs), seqs, req, fmt)
+
+
+async def respond(state: ServerState, request: Request, stream: RequestStream, seqs: list,
+                  req: p.SamplingRequest, fmt: CompletionFormat) -> Response:
+    """The response to a request whose engine requests `stream` follows; `seqs` (anything
+    with `request_id` and `params`) are its choices in order."""
     choices = Choices(state.tokenizer, seqs, state.llm.engine.eos_token_ids)
     if not req.stream:
         check_at = time.monotonic() + DISCONNECT_POLL_S
