@@ -58,9 +58,9 @@ def _tensors(h: Handoff) -> dict[str, torch.Tensor]:
            "kmax": h.kmax, "tail": h.tail, "head_map": h.head_map, "ages": h.ages,
            "kept": torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long),
            "kept_lens": torch.tensor([len(k) for k in kept], dtype=torch.int64)}
-    if h.generator_state is not None:
-        out["generator_state"] = h.generator_state
-    return out
+    optional = {"generator_state": h.generator_state, "key_codes": h.key_codes,
+                "key_scales": h.key_scales}
+    return out | {k: t for k, t in optional.items() if t is not None}
 
 
 def meta_namespace(namespace: str) -> str:
@@ -137,6 +137,8 @@ def fetch(store: RemoteStore, desc: dict) -> Handoff:
         seeded=list(desc["seeded"]), primed=list(desc["primed"]),
         draft_tokens=list(desc["draft_tokens"]), draft_weights=desc["draft_weights"],
         generator_state=tensor("generator_state") if "generator_state" in manifest else None,
+        key_codes=tensor("key_codes") if "key_codes" in manifest else None,
+        key_scales=tensor("key_scales") if "key_scales" in manifest else None,
         metrics=metrics_from_json(desc["metrics"]), block_size=desc["block_size"],
         summary_splits=desc["summary_splits"])
 

@@ -43,7 +43,8 @@ def test_published_hand_over_continues_like_the_single_engine(tiny_llama, transf
             assert set(desc["meta"]) == {"namespace", "blocks", "bytes", "tensors"}
             h = wire.fetch(store, desc)
             assert not any(store.contains(_meta_keys(desc)))  # read once
-            for name in ("kmin", "kmax", "tail", "head_map", "ages"):
+            for name in ("kmin", "kmax", "tail", "head_map", "ages", "key_codes",
+                         "key_scales"):  # the key copy: the default rerank's (int8)
                 assert torch.equal(getattr(h, name), getattr(out.handoff, name)), name
             assert h.token_ids == out.handoff.token_ids
             assert [k.tolist() for k in h.kept] == [k.tolist() for k in out.handoff.kept]
