@@ -139,17 +139,21 @@ def warm_up_rerank(keys: torch.Tensor, num_heads: int) -> None:
     request or several), so that no request's step waits for it. keys: a pool of the kind
     the rerank reads (codes [layers, ids, Hkv, d, B or B/2] or float keys [..., B, d]), as in
     a step taken in inference mode; a size of 1 is a guard of the compiled code, so both are
-    passed."""
+    passed. The candidates are as many as no other size (dynamo gives equal sizes one symbol,
+    and the query group's size is specialized: a count of candidates equal to it would be
+    too, and each request shorter than c*K blocks would compile anew)."""
     L, _, hkv = keys.shape[:3]
     codes = not keys.is_floating_point()
     d = keys.shape[-2] if codes else keys.shape[-1]
-    pool = torch.zeros(L, 9, *keys.shape[2:], dtype=keys.dtype, device=keys.device)
-    kscales = torch.ones(L, 9, hkv, device=keys.device) if codes else None
+    c = max(num_heads, hkv, L, d, *keys.shape[3:]) + 1  # equal to no other size
+    n = c + 1  # blocks per request
+    pool = torch.zeros(L, 2 * n, *keys.shape[2:], dtype=keys.dtype, device=keys.device)
+    kscales = torch.ones(L, 2 * n, hkv, device=keys.device) if codes else None
     with torch.inference_mode():
         for layers in sorted({1, L}):
             for requests in (1, 2):
-                ids = torch.arange(requests * 4).view(requests, 4)
-                scores = torch.randn(layers, requests, hkv, 4)
+                ids = torch.arange(requests * n).view(requests, n)
+                scores = torch.randn(layers, requests, hkv, n)
                 q = torch.zeros(layers, requests, num_heads, d, device=keys.device)
-                rerank_layers(scores, q, torch.ones(layers), 3, ids, pool[:layers],
+                rerank_layers(scores, q, torch.ones(layers), c, ids, pool[:layers],
                               None if kscales is None else kscales[:layers])

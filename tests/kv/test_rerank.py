@@ -8,7 +8,7 @@ copies."""
 import pytest
 import torch
 
-from oasiskv.kv.rerank import candidate_mass, candidate_mass_codes, rerank_layers
+from oasiskv.kv.rerank import candidate_mass, candidate_mass_codes, rerank_layers, warm_up_rerank
 from oasiskv.kv.select import rerank_by_mass
 from oasiskv.kv.summaries import dequantize_keys, quantize_keys
 
@@ -76,3 +76,22 @@ def test_keys_whose_blocks_are_not_contiguous_are_a_clear_error():
     keys = host_kv[:, 0].unflatten(2, (-1, B)).transpose(1, 2).transpose(3, 4)
     with pytest.raises(ValueError, match="must be contiguous"):
         rerank_layers(scores, q, scales, C, ids, keys)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_after_the_warm_up_no_request_shape_compiles_anew(bits):
+    """warm_up_rerank compiles for every shape a step passes: any run of layers, any number
+    of requests, any number of candidates (requests shorter than c*K blocks have fewer; a
+    count equal to the query group's size, specialized, must not make it static)."""
+    from torch._dynamo.utils import counters
+
+    hkv, heads, layers = 3, 9, 4  # G = 3
+    codes, kscales = quantize_keys(torch.randn(layers, hkv, 60, B, D), bits)
+    warm_up_rerank(codes, heads)
+    compiled = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        for run, requests, n in [(1, 1, 3), (4, 3, 20), (2, 2, 7), (4, 1, 40)]:
+            ids = torch.arange(requests * n).view(requests, n)
+            rerank_layers(torch.randn(run, requests, hkv, n), torch.randn(run, requests, heads, D),
+                          torch.ones(run), 30, ids, codes[:run], kscales[:run])
+    assert counters["stats"]["unique_graphs"] == compiled
