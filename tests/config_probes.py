@@ -19,7 +19,9 @@ _g = torch.Generator().manual_seed(0)
 PROMPTS = [torch.randint(3, 300, (n,), generator=_g).tolist() for n in (100, 130)]
 LONG = torch.randint(3, 300, (250,), generator=_g).tolist()  # 15 blocks
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-SPARSE = dict(kv_mode="sparse", top_k=3, f_hbm=1.0)  # uncapped: each set is the step's pick
+# uncapped: each set is the step's pick; by the summary scores alone (the rerank's rows
+# set it)
+SPARSE = dict(kv_mode="sparse", top_k=3, f_hbm=1.0, rerank=0)
 
 
 
@@ -230,7 +232,7 @@ def reranks_like(path: str, quantized: bool, **kw) -> list[bool]:
 
     seen, spy_on = selections_match(want_of)
 
-    r = run(path, [LONG], setup=spy_on, **SPARSE, predictor="exact", rerank=8, **kw)
+    r = run(path, [LONG], setup=spy_on, **(SPARSE | {"rerank": 8}), predictor="exact", **kw)
     assert r.outputs[0].finish_reason == "length"
     assert len(seen) > 20
     return seen

@@ -136,8 +136,9 @@ def test_dense_layers_attend_as_dense_mode_and_the_sparse_layer_does_not(tiny3):
 
 
 def engine_for(path: str, **kw):  # noqa: ANN201
+    """Counted by hand without the rerank's key copy (rerank=0; charged in test_scoring)."""
     return LLM(path, kv_mode="sparse", top_k=2, max_num_seqs=16, max_num_batched_tokens=1024,
-               **kw).engine
+               rerank=0, **kw).engine
 
 
 def test_the_dense_copy_is_charged_per_block_of_each_history(tiny_llama):

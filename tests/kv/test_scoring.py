@@ -138,7 +138,7 @@ def test_the_key_copy_is_charged_to_the_device_budget(tiny_llama, bits):
     """Its bytes sit beside each summary: fewer summaries and KV blocks for the same budget,
     every allocated byte within it."""
     kw = dict(kv_mode="sparse", top_k=2, device_kv_budget=256 * 1024, host_kv_budget=2**20)
-    plain = LLM(str(tiny_llama), **kw).stats()
+    plain = LLM(str(tiny_llama), **kw, rerank=0).stats()
     copy = LLM(str(tiny_llama), **kw, rerank=2, rerank_source=f"int{bits}").stats()
     # layers x KV heads x (B x d codes of `bits` bits + a float32 scale)
     per_block = 2 * 2 * (16 * 16 * bits // 8 + 4)

@@ -183,7 +183,8 @@ def test_each_split_is_charged_to_the_device_budget(tiny_llama, splits):
     x 16 dims x 2 B = 256 B; S splits charge S of them per block, (S-1) x 256 more, and
     the summary tensors are exactly what the budget counts, within it."""
     one = 2 * 2 * 2 * 16 * 2
-    kw = dict(kv_mode="sparse", top_k=2, device_kv_budget=256 * 1024, host_kv_budget=2**20)
+    kw = dict(kv_mode="sparse", top_k=2, device_kv_budget=256 * 1024, host_kv_budget=2**20,
+              rerank=0)  # the summaries' bytes alone; with the copy below
     plain = LLM(str(tiny_llama), **kw)
     split = LLM(str(tiny_llama), **kw, summary_splits=splits)
     a, s = plain.stats(), split.stats()
@@ -199,7 +200,8 @@ def test_each_split_is_charged_to_the_device_budget(tiny_llama, splits):
     # the budget's split follows a whole-context request: fewer summaries (the 128 host
     # blocks need 128 x S x 256 B) and fewer KV blocks than with one summary per block
     assert s["kv_blocks_total"] <= a["kv_blocks_total"]
-    copy = LLM(str(tiny_llama), **kw, summary_splits=splits, rerank=2, rerank_source="int8")
+    copy = LLM(str(tiny_llama), **(kw | {"rerank": 2}), summary_splits=splits,
+               rerank_source="int8")
     c = copy.stats()  # with the int8 key copy too: both charged per block
     assert c["summary_bytes_per_block"] == splits * one + c["key_copy_bytes_per_block"]
     for llm in (plain, split, copy):

@@ -162,13 +162,14 @@ def test_rerank_over_every_block_selects_like_the_oracle(tiny_llama):
     rerank ranks by the same attention mass as the oracle predictor, so tokens are equal."""
     prompts = [[(3 * i + 7 * j) % 250 + 3 for j in range(150 + 9 * i)] for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    kw = dict(kv_mode="sparse", top_k=2, f_hbm=1.0, prefetch="sync", max_num_seqs=3)
+    kw = dict(kv_mode="sparse", top_k=2, f_hbm=1.0, prefetch="sync", max_num_seqs=3,
+              rerank_source="host")
     oracle = LLM(str(tiny_llama), predictor="oracle", **kw).generate(prompts, params,
                                                                      use_tqdm=False)
     rerank = LLM(str(tiny_llama), predictor="exact", rerank=8, **kw).generate(prompts, params,
                                                                              use_tqdm=False)
-    exact = LLM(str(tiny_llama), predictor="exact", **kw).generate(prompts, params,
-                                                                   use_tqdm=False)
+    exact = LLM(str(tiny_llama), predictor="exact", rerank=0, **kw).generate(
+        prompts, params, use_tqdm=False)
     assert [o.token_ids for o in rerank] == [o.token_ids for o in oracle]
     assert [o.token_ids for o in exact] != [o.token_ids for o in oracle]  # the test can fail
 
