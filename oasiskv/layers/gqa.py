@@ -2,14 +2,18 @@
 
 The G query heads of a KV head share its keys, so a decode's queries are grouped as
 `[Hkv, G, d]` (or `[Hkv, rows*G, d]` for rows sharing the KV) against `[Hkv, T, d]`: K/V are
-never expanded to the query heads. Each KV head is one 2-D product per run of slots, not one
-batched product over the heads: a run is a view of the pool whose head stride is the pool's,
-and CPU `bmm` in bf16 copies such an operand first (and for q @ k^T transposes it: 5x the
-product's own time at 7K tokens), while one head's run, `[t, d]` row-major, is an operand BLAS
-reads in place. Fragmented block tables are read run by run the same way; only tables of
-more runs than the runner keeps (`kv_slots`) are gathered. Sparse slabs that sit side by side
-are one contiguous `[r, window, d]` batch per KV head; a group whose windows are not all side
-by side is read as several such batches, never stacked into a copy.
+never expanded to the query heads, and runs of slots are never joined. The scores are one 2-D
+product per KV head and run, not one batched product over the heads: a run is a view of the
+pool whose head stride is the pool's, and CPU `bmm` in bf16 copies such an operand first (and
+for q @ k^T transposes it: 5x the product's own time at 7K tokens), while one head's run,
+`[t, d]` row-major, is an operand oneDNN reads in place. The values' product is per head too
+on one thread; with more, oneDNN would run a head's `[G, t] x [t, d]` on one of them (it splits
+a product over its output, here a single block), so it is one product per run batched over the
+heads, which copies the run's V (once, not expanded) with every thread and then multiplies with
+every thread. Fragmented block tables are read run by run the same way; only tables of more runs
+than the runner keeps (`kv_slots`) are gathered. Sparse slabs that sit side by side are one
+contiguous `[r, window, d]` batch per KV head; a group whose windows are not all side by side
+is read as several such batches, never stacked into a copy.
 
 `layers/attention_ref.py` keeps the previous implementation: the tests compare with it.
 """
@@ -40,6 +44,14 @@ def grouped_values(probs: torch.Tensor, values: list[torch.Tensor]) -> torch.Ten
     """probs [Hkv, M, >=T] (the first T columns used), values: runs [Hkv, t_i, d] ->
     probs @ v, [Hkv, M, d], the runs' products summed."""
     hkv, m, _ = probs.shape
+    if torch.get_num_threads() > 1 and probs.device.type == "cpu":  # see the module's note
+        out, start = None, 0
+        for v in values:
+            t = v.shape[1]
+            part = torch.matmul(probs[..., start:start + t], v)  # [Hkv, M, d]
+            out = part if out is None else out.add_(part)
+            start += t
+        return out
     out = probs.new_empty(hkv, m, values[0].shape[-1])
     start = 0
     for i, v in enumerate(values):

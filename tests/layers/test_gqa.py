@@ -21,6 +21,15 @@ SLOTS = 600  # pool slots
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=8e-3, rtol=8e-3)}
 
 
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request):
+    """The values' product is per head on one thread, batched over the heads on more."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 def layers(hkv: int, group: int, dtype: torch.dtype, g: torch.Generator):
     """The new layer and the reference over the same random pools."""
     pools = {"device": (torch.randn(hkv, SLOTS, D, generator=g).to(dtype),
@@ -75,7 +84,7 @@ def layout(kind: str, t: int, g: torch.Generator) -> tuple[dict, torch.Tensor]:
 @pytest.mark.parametrize("hkv,group", [(2, 1), (3, 3), (1, 7), (2, 7)])
 @pytest.mark.parametrize("kind", ["one run", "runs", "gathered"])
 @pytest.mark.parametrize("masked", [False, True])
-def test_decode_equals_reference_and_brute_force(dtype, hkv, group, kind, masked):
+def test_decode_equals_reference_and_brute_force(dtype, hkv, group, kind, masked, threads):
     g = torch.Generator().manual_seed(hkv * 10 + group)
     new, ref = layers(hkv, group, dtype, g)
     seqs, visible = [], []
@@ -104,7 +113,7 @@ def test_decode_equals_reference_and_brute_force(dtype, hkv, group, kind, masked
 @pytest.mark.parametrize("group", [1, 3, 7])
 @pytest.mark.parametrize("kind", ["one run", "runs"])
 @pytest.mark.parametrize("masks", ["none", "shared", "own"])
-def test_draft_rows_equal_reference_and_brute_force(dtype, group, kind, masks):
+def test_draft_rows_equal_reference_and_brute_force(dtype, group, kind, masks, threads):
     """A request with 3 drafts attended one at a time: each draft sees the KV (under the drafts'
     mask) and its own K/V; the normal row sees the KV only."""
     hkv, t, m = 2, 45, 3
