@@ -31,11 +31,13 @@ def grouped_scores(q: torch.Tensor, keys: list[torch.Tensor],
     total = sum(k.shape[1] for k in keys)
     if out is None:
         out = q.new_empty(hkv, m, total)
-    start = 0
+    qs, start = q.unbind(0), 0  # unbind: one op for the heads' views (a step makes thousands)
     for k in keys:
         t = k.shape[1]
-        for h in range(hkv):  # [M, d] x [d, t]: the run's rows as they lie
-            torch.mm(q[h], k[h].T, out=out[h, :, start:start + t])
+        # [M, d] x [d, t] per head: the run's rows as they lie
+        for qh, kh, oh in zip(qs, k.transpose(1, 2).unbind(0),
+                              out[..., start:start + t].unbind(0), strict=True):
+            torch.mm(qh, kh, out=oh)
         start += t
     return out
 
@@ -44,24 +46,21 @@ def grouped_values(probs: torch.Tensor, values: list[torch.Tensor]) -> torch.Ten
     """probs [Hkv, M, >=T] (the first T columns used), values: runs [Hkv, t_i, d] ->
     probs @ v, [Hkv, M, d], the runs' products summed."""
     hkv, m, _ = probs.shape
-    if torch.get_num_threads() > 1 and probs.device.type == "cpu":  # see the module's note
-        out, start = None, 0
-        for v in values:
-            t = v.shape[1]
-            part = torch.matmul(probs[..., start:start + t], v)  # [Hkv, M, d]
-            out = part if out is None else out.add_(part)
-            start += t
-        return out
-    out = probs.new_empty(hkv, m, values[0].shape[-1])
-    start = 0
-    for i, v in enumerate(values):
+    batched = torch.get_num_threads() > 1 and probs.device.type == "cpu"  # the module's note
+    out, start = None, 0
+    for v in values:
         t = v.shape[1]
-        for h in range(hkv):
-            p = probs[h, :, start:start + t]  # [M, t]
-            if i == 0:
-                torch.mm(p, v[h], out=out[h])
-            else:
-                out[h].addmm_(p, v[h])
+        p = probs[..., start:start + t]  # [Hkv, M, t]
+        if batched:
+            part = torch.matmul(p, v)  # [Hkv, M, d]
+            out = part if out is None else out.add_(part)
+        elif out is None:
+            out = probs.new_empty(hkv, m, v.shape[-1])
+            for ph, vh, oh in zip(p.unbind(0), v.unbind(0), out.unbind(0), strict=True):
+                torch.mm(ph, vh, out=oh)
+        else:
+            for ph, vh, oh in zip(p.unbind(0), v.unbind(0), out.unbind(0), strict=True):
+                oh.addmm_(ph, vh)
         start += t
     return out
 
