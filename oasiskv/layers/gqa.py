@@ -136,8 +136,9 @@ def attend_slabs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     for a, r in chains:  # per chain and KV head: [r, window, d] is contiguous in the pool
         first = starts[a]
         keys = k_cache[:, first:first + r * window].view(hkv, r, window, d)
-        for h in range(hkv):
-            torch.bmm(qh[h, a:a + r], keys[h].transpose(1, 2), out=scores[h, a:a + r])
+        for qk, kk, sk in zip(qh[:, a:a + r].unbind(0), keys.transpose(2, 3).unbind(0),
+                              scores[:, a:a + r].unbind(0), strict=True):
+            torch.bmm(qk, kk, out=sk)
     scores = scores.view(hkv, R, n, g, window).mul_(scale)
     scores[..., :t].masked_fill_(~valid[:, :, None, None, :], float("-inf"))
     scores[..., t:].masked_fill_(hidden, float("-inf"))
@@ -147,6 +148,7 @@ def attend_slabs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     for a, r in chains:
         first = starts[a]
         values = v_cache[:, first:first + r * window].view(hkv, r, window, d)
-        for h in range(hkv):
-            torch.bmm(probs[h, a:a + r], values[h], out=out[h, a:a + r])
+        for pk, vk, ok in zip(probs[:, a:a + r].unbind(0), values.unbind(0),
+                              out[:, a:a + r].unbind(0), strict=True):
+            torch.bmm(pk, vk, out=ok)
     return out.view(hkv, R, n, g, d).permute(1, 2, 0, 3, 4)
