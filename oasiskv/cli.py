@@ -437,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--num-threads", type=int, default=None)
     thr.add_argument("--json", help="write the figures to this file")
     thr.add_argument("--plot", help="write TPS and running batch vs concurrency (PNG)")
+    thr.add_argument("--breakdown", type=int, default=0, metavar="STEPS", help="profile STEPS "
+                     "decode steps per mode and level (an untimed extra run): attention, linear, "
+                     "selection and other ms per step beside the roofline")
     thr.set_defaults(func=_cmd_bench_throughput)
     add_pareto_parser(bench)
     add_serve_bench_parser(bench)

@@ -14,7 +14,9 @@ concurrency dense can hold, where the paper compares. With --repeats R every mod
 runs R times, one after another in rounds, and the row is its median-TPS run: the machine's
 slow minutes then fall on every mode alike. The roofline column is the time a step
 would take if it only read the bytes it must (weights + the resident KV of the running batch)
-at this machine's measured read bandwidth.
+at this machine's measured read bandwidth. With --breakdown N, an untimed extra run of each
+mode and level profiles N decode steps (`bench/breakdown.py`): a second table shows the time
+per step in attention, linear layers, sparse selection and the rest beside the roofline.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 from safetensors.torch import load
 
+from oasiskv.bench.breakdown import breakdown_columns, breakdown_run, check_steps
 from oasiskv.bench.common import (
     agreement,
     markdown_table,
@@ -172,6 +175,9 @@ COLUMNS = [("context", "context"), ("concurrency", "conc"), ("mode", "mode"), ("
            ("tpot_ms", "TPOT ms"), ("ttft_s", "TTFT s"), ("running", "running"),
            ("preemptions", "preempt"), ("step_ms", "step ms"), ("roofline_ms", "roofline ms"),
            ("bytes_per_step", "fetch B/step"), ("hit_rate", "hit rate")]
+BREAKDOWN = [("context", "context"), ("concurrency", "conc"), ("mode", "mode"), ("f_hbm", "f_hbm"),
+             ("running", "running"), ("step_ms", "step ms"), ("roofline_ms", "roofline ms"),
+             *breakdown_columns()]
 ABLATION = [("context", "context"), ("concurrency", "conc"), ("f_hbm", "f_hbm"),
             ("fetch_cap", "cap/head"), ("bytes_per_step", "fetch B/step"), ("tps", "TPS"),
             ("hit_rate", "hit rate"), ("kept", "predicted kept"), ("agreement", "agree")]
@@ -231,6 +237,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     contexts, levels = parse_list(args.context), parse_levels(args.concurrency)
+    profiled = check_steps(getattr(args, "breakdown", 0))
     modes, f_hbms = parse_list(args.kv_mode, str), parse_list(args.f_hbm, str)
     peers = parse_peers(args.peer, args.model)
     if "sparse" in modes and peers and "dense" not in modes:
@@ -328,6 +335,11 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                                 r["tps_runs"], by_mode[peer]["tps_runs"], strict=True)]
                     print(f"{context} x{c} {r['mode']}: {r['tps']:.1f} tok/s, running "
                           f"{r['running']:.1f}", flush=True)
+                for mode, kw in runs if profiled else []:  # untimed, after the timed runs
+                    row = next(r for r in level if r["mode"] == mode
+                               and r.get("f_hbm") == kw.get("f_hbm"))
+                    row.update(breakdown_run({**base, **kw}, prompts[:c], files[:c],
+                                             args.output_len, profiled))
                 rows += [{k: v for k, v in r.items() if k != "tokens"} for r in level]
                 rows += [{"context": context, "concurrency": c, "mode": mode, "error": error,
                           "text": source, "dense_capacity": capacity[context]}
@@ -350,6 +362,11 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     for context in contexts:
         print(dense_max_summary(rows, context, capacity[context], args.output_len,
                                 args.device_kv_budget))
+    if profiled:
+        print(f"\n### step breakdown: {profiled} decode steps per mode and level under "
+              f"torch.profiler, in an untimed extra run (ms per step on the stepping thread; "
+              f"bg selection: prefetch stages on worker threads, overlapping the step)\n")
+        print(markdown_table([r for r in rows if "profiled_step_ms" in r], BREAKDOWN))
     if len(f_hbms) > 1:
         print("\n### f_hbm ablation (sparse rows)\n")
         print(markdown_table([r for r in rows if r["mode"] == "sparse"], ABLATION))
@@ -370,7 +387,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                            "device_kv_budget": args.device_kv_budget, "top_k": args.top_k,
                            "f_hbm": f_hbms, "output_len": args.output_len, "peers": peers,
                            "dense_capacity": capacity,
-                           "repeats": args.repeats,
+                           "repeats": args.repeats, "breakdown_steps": profiled,
                            "bandwidth": bandwidth, "prefill_s": prefill_s,
                            "llamacpp_prefill_s": peer_prefill_s,
                            "llamacpp_system_info": peer_system_info,
