@@ -8,7 +8,7 @@ scales, or the host tier's float keys. The scoring is one compiled pass over the
 (codes are converted in registers, never dequantized into a float copy) that leaves only the
 logits behind; the block scale multiplies the logits, not the keys. The copy is dim-major
 ([d, B] per block): per dim, one vector of a block's B tokens times each of the G query
-heads' element, G accumulators over d, the form inductor vectorizes best (2.5x the pass over
+heads' element, G accumulators over d, the form inductor vectorizes best (2.2x the pass over
 [B, d] blocks, whose products reduce across a vector; the host tier's keys have that layout).
 `select.rerank_by_mass` is the reference it matches (tests/kv/test_rerank.py)."""
 
