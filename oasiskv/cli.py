@@ -126,8 +126,9 @@ def summary(out, stats: dict, steps: list[dict]) -> str:
     tpot = f"{m.tpot * 1e3:.1f} ms" if m.tpot is not None else "n/a"
     held = f"{stats['kv_peak_blocks']} blocks"
     if "summary_ids_peak" in stats:  # sparse: slabs and the summaries of their histories
-        held += f" + {stats['summary_ids_peak']} block summaries"
-    # the device tensors' real size (KV pool and summaries), at most device_kv_budget
+        copy = " and key copies" if "key_copy_bytes_per_block" in stats else ""
+        held += f" + {stats['summary_ids_peak']} block summaries{copy}"
+    # the device tensors' real size (KV pool, summaries, key copy), at most device_kv_budget
     line = (f"[oasiskv] prompt {m.num_prompt_tokens} tok | generated {m.num_generated_tokens} "
             f"tok ({out.finish_reason}) | TTFT {m.ttft:.2f} s | TPOT {tpot} | device KV "
             f"{stats['device_peak_bytes'] / _MiB:.1f} MiB peak ({held}) of "

@@ -199,13 +199,15 @@ def test_generate_sparse_prints_per_step_figures(tiny_llama, tmp_path, capsys):
     s = data["stats"]
     assert s["sparse_admitted"] <= s["sparse_wanted"] and s["sparse_hits"] > 0
     assert s["slab_bytes"] == 4 * s["kv_bytes_per_block"]  # K=2: working set, active, drafts
-    # one request: its slab and a summary for each block of its history, nothing else
+    # one request: its slab and a summary (and key copy) for each block of its history
     assert s["kv_peak_blocks"] == 4
     assert s["device_peak_bytes"] == (s["slab_bytes"] + s["summary_ids_peak"]
                                       * s["summary_bytes_per_block"])
     assert s["summary_ids_peak"] == -(-(data["metrics"]["prompt_tokens"] + 20) // 16)
     head = next(ln for ln in err.splitlines() if ln.startswith("[oasiskv] prompt"))
-    assert (f"({s['kv_peak_blocks']} blocks + {s['summary_ids_peak']} block summaries) of "
+    assert "key_copy_bytes_per_block" in s  # the default rerank's int8 copy, named
+    assert (f"({s['kv_peak_blocks']} blocks + {s['summary_ids_peak']} block summaries and key "
+            f"copies) of "
             f"{s['device_bytes_allocated'] / 2**20:.1f} MiB allocated") in head
     assert "| step | seqs |" in err  # the --step-stats table
     assert "prefetch stall" in line
