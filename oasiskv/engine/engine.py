@@ -34,6 +34,7 @@ from oasiskv.kv.device_budget import (
 from oasiskv.kv.remote_tier import RemoteTier, open_store
 from oasiskv.kv.rerank import warm_up_rerank
 from oasiskv.kv.residency import SparseKV
+from oasiskv.kv.summaries import warm_up_key_copy
 from oasiskv.layers.linear import pack_linears
 from oasiskv.layers.sampler import sample, verify_draft
 from oasiskv.models.llama import LlamaForCausalLM
@@ -197,6 +198,8 @@ class LLMEngine:
                 keys = (self.sparse.key_codes if cache.key_copy else
                         self.sparse.host_kv[:, 0].unflatten(2, (-1, block)).transpose(1, 2))
                 warm_up_rerank(keys, mc.num_heads)
+            if cache.key_copy:
+                warm_up_key_copy(self.sparse.host_kv, block, cache.key_copy_bits)
             log.info("compiled the block scoring in %.1f s", time.perf_counter() - t0)
         if cache.prefault_kv:
             t0 = time.perf_counter()

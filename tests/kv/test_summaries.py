@@ -91,3 +91,28 @@ def test_engine_stores_rounded_summaries_and_pays_half_their_device_bytes(tiny_l
     assert seen and all(seen)
     llm.close()
     full.close()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_after_the_key_copy_warm_up_no_prompt_compiles_anew(bits):
+    """warm_up_key_copy compiles the key copy's quantization for every prompt a prefill
+    passes (a run of host slots read in place, or gathered slots; any block count), so no
+    first token waits for a compile; and the fused pass equals the eager one."""
+    from torch._dynamo.utils import counters
+
+    from oasiskv.kv.summaries import _quantize, quantize_keys, warm_up_key_copy
+
+    L, hkv, B, d = 3, 2, 16, 8
+    host_kv = torch.randn(L, 2, hkv, 100 * B, d, dtype=torch.bfloat16)
+    warm_up_key_copy(host_kv, B, bits)
+    compiled = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        for start, n in [(0, 7), (10, 40), (3, 2), (0, 99)]:
+            run = host_kv[:, 0, :, start * B:(start + n) * B]  # [L, Hkv, n*B, d]
+            gathered = host_kv[:, 0][:, :, torch.randperm(100 * B)[:n * B]]
+            for keys in (run, gathered):
+                keys = keys.unflatten(2, (n, B))
+                codes, scales = quantize_keys(keys, bits)
+                want_codes, want_scales = _quantize(keys, bits)
+                assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+    assert counters["stats"]["unique_graphs"] == compiled
