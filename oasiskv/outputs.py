@@ -1,6 +1,6 @@
 from dataclasses import dataclass
 
-from oasiskv.engine.sequence import RequestMetrics
+from oasiskv.sequence import RequestMetrics
 
 
 @dataclass

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from oasiskv.engine.sequence import RequestMetrics, Sequence
 from oasiskv.kv.residency import SparseKV, WorkingSet
 from oasiskv.kv.select import stamp
 from oasiskv.kv.summaries import round_outward, summary_rows
+from oasiskv.sequence import RequestMetrics, Sequence
 
 TRANSFERS = ("partial", "slab", "full")
 

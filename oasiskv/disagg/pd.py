@@ -24,9 +24,9 @@ from tqdm.auto import tqdm
 from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.engine.invariants import live_namespaces
-from oasiskv.engine.sequence import RequestMetrics
 from oasiskv.outputs import RequestOutput
 from oasiskv.sampling_params import SamplingParams
+from oasiskv.sequence import RequestMetrics
 
 
 @dataclass

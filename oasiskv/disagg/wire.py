@@ -20,8 +20,8 @@ import torch
 
 from oasiskv.disagg.handoff import TRANSFERS, Handoff
 from oasiskv.disagg.remote_store import BlockKey, RemoteStore, RemoteStoreError
-from oasiskv.engine.sequence import RequestMetrics
 from oasiskv.outputs import RequestOutput
+from oasiskv.sequence import RequestMetrics
 
 META = ".meta"
 _TIMES = ("arrival_time", "first_scheduled_time", "first_token_time", "finish_time")

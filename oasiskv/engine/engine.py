@@ -19,7 +19,6 @@ from oasiskv.engine.failures import StepFailures
 from oasiskv.engine.invariants import check_invariants
 from oasiskv.engine.runner import ModelRunner, allocate_kv, is_decode
 from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
-from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import BlockPool, KVAllocator
 from oasiskv.kv.dense_layers import allocate_dense_kv, check_dense_layers, sparse_layers
 from oasiskv.kv.device_budget import (
@@ -46,6 +45,7 @@ from oasiskv.prefetch.pipeline import PrefetchPipeline
 from oasiskv.prefetch.stages import warm_up_scores
 from oasiskv.prefetch.trace import Tracer
 from oasiskv.sampling_params import SamplingParams
+from oasiskv.sequence import Sequence
 from oasiskv.spec.drafters import chained_draft, make_drafter, sampling_weights
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from oasiskv.engine.scheduler import ScheduledBatch
-from oasiskv.engine.sequence import Sequence
+from oasiskv.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from oasiskv.engine.sequence import Sequence, SequenceStatus
 from oasiskv.kv.blocks import BlockPool
 from oasiskv.kv.device_budget import device_tensors
 from oasiskv.kv.remote_tier import RemoteTier, request_namespaces
+from oasiskv.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from oasiskv.engine.engine import LLMEngine

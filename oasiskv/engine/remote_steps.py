@@ -14,7 +14,7 @@ from oasiskv.disagg.handoff import receive_handoff, take_handoff
 from oasiskv.disagg.remote_store import RemoteStoreError
 from oasiskv.engine.failures import StepFailures, describe
 from oasiskv.engine.scheduler import ScheduledBatch
-from oasiskv.engine.sequence import Sequence
+from oasiskv.sequence import Sequence
 
 if TYPE_CHECKING:
     from oasiskv.engine.engine import LLMEngine

@@ -9,11 +9,11 @@ import torch
 from oasiskv.config import ModelConfig
 from oasiskv.context import KVWrite, SeqAttention, StepContext, set_context
 from oasiskv.engine.scheduler import ScheduledBatch
-from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import block_runs, is_contiguous
 from oasiskv.kv.dense_layers import dense_context, token_bytes
 from oasiskv.kv.residency import SparseKV
 from oasiskv.models.llama import LlamaForCausalLM
+from oasiskv.sequence import Sequence
 
 # A fragmented table of up to this many runs of blocks is read run by run, in place (one
 # product per run); more runs are gathered into one copy. A full dense pool splits requests

@@ -10,8 +10,8 @@ freed and recomputed later): requests wait, they are never dropped.
 from collections import deque
 
 from oasiskv.config import SchedulerConfig
-from oasiskv.engine.sequence import Sequence, SequenceStatus
 from oasiskv.kv.blocks import KVAllocator
+from oasiskv.sequence import Sequence, SequenceStatus
 
 ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
 

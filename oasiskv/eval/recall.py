@@ -39,9 +39,9 @@ from oasiskv.config import CacheConfig, SpecConfig, head_dir
 from oasiskv.context import SeqAttention, set_context
 from oasiskv.data.austen import austen_text
 from oasiskv.data.passages import paragraph_prompt
-from oasiskv.engine.sequence import Sequence
 from oasiskv.eval.recall_probe import RecallProbe, RowKey, Totals, reranked
 from oasiskv.sampling_params import SamplingParams
+from oasiskv.sequence import Sequence
 from oasiskv.spec.drafters import Drafter, chained_draft, make_drafter, sampling_weights
 
 # (novel, character offset): each prompt starts at the first paragraph at or after the offset.

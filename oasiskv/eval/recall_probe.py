@@ -44,11 +44,11 @@ from math import ceil
 import torch
 
 from oasiskv.context import SeqAttention
-from oasiskv.engine.sequence import Sequence
 from oasiskv.eval.metrics import block_mass, captured_mass, churn, membership, recall
 from oasiskv.kv.blocks import is_contiguous
 from oasiskv.kv.select import block_scores, mixed_queries, rerank_by_mass, top_k_blocks
 from oasiskv.kv.summaries import summarize
+from oasiskv.sequence import Sequence
 
 RowKey = tuple[int, str, str]  # (K, predictor, drafter)
 

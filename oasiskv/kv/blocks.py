@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from oasiskv.engine.sequence import Sequence
+    from oasiskv.sequence import Sequence
 
 
 class BlockPool:

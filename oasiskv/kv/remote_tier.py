@@ -25,8 +25,8 @@ from oasiskv.disagg.remote_store import (
     RemoteStore,
     RemoteStoreError,
 )
-from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.host_cache import HostCache, prompt_capacity
+from oasiskv.sequence import Sequence
 
 if TYPE_CHECKING:
     from oasiskv.disagg.handoff import Handoff

@@ -36,13 +36,13 @@ from torch.nn.utils.rnn import pad_sequence
 
 from oasiskv.config import CRITICAL_PATH, CacheConfig
 from oasiskv.context import SeqAttention
-from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import is_contiguous
 from oasiskv.kv.select import insert_block, mixed_queries
 from oasiskv.kv.summaries import quantize_keys, round_outward, summarize, summary_rows
 from oasiskv.prefetch.executor import InlineExecutor, PrefetchError
 from oasiskv.prefetch.pipeline import PrefetchPipeline
 from oasiskv.prefetch.stages import SelectJob
+from oasiskv.sequence import Sequence
 
 if TYPE_CHECKING:
     from oasiskv.kv.remote_tier import RemoteTier

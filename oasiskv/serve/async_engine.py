@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 import torch
 
 from oasiskv.engine.engine import LLMEngine
-from oasiskv.engine.sequence import Sequence
 from oasiskv.outputs import RequestOutput
+from oasiskv.sequence import Sequence
 from oasiskv.serve.errors import APIError, BadRequest, EngineFailure, QueueFull, RequestTimeout
 from oasiskv.serve.metrics import ServerMetrics
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.device_budget import device_memory
 from oasiskv.outputs import RequestOutput
+from oasiskv.sequence import Sequence
 
 P = "oasiskv:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -13,9 +13,9 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from oasiskv.engine.sequence import Sequence
 from oasiskv.outputs import RequestOutput
 from oasiskv.sampling_params import SamplingParams
+from oasiskv.sequence import Sequence
 from oasiskv.serve import protocol as p
 from oasiskv.serve.async_engine import AsyncEngine, RequestStream
 from oasiskv.serve.errors import BadRequest, ModelNotFound

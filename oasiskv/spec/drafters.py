@@ -19,7 +19,7 @@ from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.spec.eagle import load_head
 
 if TYPE_CHECKING:
-    from oasiskv.engine.sequence import Sequence
+    from oasiskv.sequence import Sequence
 
 
 class Drafter(ABC):

@@ -9,10 +9,10 @@ import pytest
 from conftest import build_model_dir
 
 from oasiskv.cli import main
-from oasiskv.engine.sequence import RequestMetrics
 from oasiskv.eval.fidelity import Sample, judge, make_samples, settings_from, summarize
 from oasiskv.eval.tasks import make_task
 from oasiskv.models.loader import load_checkpoint
+from oasiskv.sequence import RequestMetrics
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ import torch
 
 from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
-from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import BlockPool, KVAllocator
 from oasiskv.sampling_params import SamplingParams
+from oasiskv.sequence import Sequence
 
 BLOCK, SUMMARY, KiB = 8192, 256, 1024
 

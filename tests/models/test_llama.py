@@ -8,11 +8,11 @@ from conftest import build_model_dir
 from oasiskv.config import ModelConfig
 from oasiskv.engine import runner as runner_module
 from oasiskv.engine.runner import ModelRunner, allocate_kv
-from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import BlockPool, is_contiguous
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import load_checkpoint
 from oasiskv.sampling_params import SamplingParams
+from oasiskv.sequence import Sequence
 
 CASES = {
     "llama": ("llama", {}),
