@@ -69,8 +69,8 @@ def _cmd_pd(args: argparse.Namespace) -> int:
     import contextlib
 
     from oasiskv import SamplingParams
-    from oasiskv.disagg.mooncake import local_master
     from oasiskv.disagg.pd import DisaggregatedLLM
+    from oasiskv.store.mooncake import local_master
 
     kwargs = {"kv_mode": "sparse", **engine_kwargs(args)}
     decode = {"f_host": kwargs.pop("f_host", 1.0)}

@@ -12,13 +12,13 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from oasiskv.disagg.mooncake import (
+from oasiskv.spec.drafters import Drafter
+from oasiskv.store.mooncake import (
     INSTALL_HINT,
     mooncake_available,
     private_network,
     start_master,
 )
-from oasiskv.spec.drafters import Drafter
 
 CORPUS = [
     "It is a truth universally acknowledged, that a single man in possession of a good fortune,"

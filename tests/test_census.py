@@ -33,8 +33,8 @@ from census_files import make_bad_files
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.cli import main
-from oasiskv.disagg.mooncake import free_port, mooncake_available
 from oasiskv.disagg.pd import DisaggregatedLLM
+from oasiskv.store.mooncake import free_port, mooncake_available
 
 NORMAL = [5, 6, 7, 8, 9, 10]  # the normal request served after every row
 NORMAL_PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

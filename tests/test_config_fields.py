@@ -37,7 +37,7 @@ from conftest import build_model_dir
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-from oasiskv.disagg.mooncake import INSTALL_HINT, mooncake_available, start_master
+from oasiskv.store.mooncake import INSTALL_HINT, mooncake_available, start_master
 
 
 def all_field_names() -> set[str]:

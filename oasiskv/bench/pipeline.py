@@ -15,7 +15,7 @@ remote store -> host), blocks admitted / wanted per step, and the cap in force.
 
 With --remote-store and --f-host < 1 the host keeps only part of each prompt and the misses
 are read from the store by the remote fetch stage: `mooncake` starts a master and a storage
-node process (`disagg.store_node`) in a private network, so every read crosses Mooncake's TCP
+node process (`store.store_node`) in a private network, so every read crosses Mooncake's TCP
 transport: sync pays it on the critical path, async in the workers (hidden where they have a
 core of their own; the Mooncake client itself keeps cores busy while a read is in flight).
 """
@@ -44,10 +44,10 @@ from oasiskv.bench.common import (
     write_json,
 )
 from oasiskv.config import EngineConfig
-from oasiskv.disagg.mooncake import local_master
-from oasiskv.disagg.store_node import StoreNode
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.sampling_params import SamplingParams
+from oasiskv.store.mooncake import local_master
+from oasiskv.store.store_node import StoreNode
 
 MODES = ("frozen", "sync", "async")
 

@@ -1,11 +1,2 @@
-"""Disaggregated serving: the remote KV tier (in-process or Mooncake Store)."""
-
-from oasiskv.disagg.remote_store import (
-    BlockKey,
-    InProcessStore,
-    MooncakeStore,
-    RemoteStore,
-    RemoteStoreError,
-)
-
-__all__ = ["BlockKey", "InProcessStore", "MooncakeStore", "RemoteStore", "RemoteStoreError"]
+"""Prefill/decode disaggregation: the prefill and decode workers' protocol (`pd.py`) and the
+hand-over's wire format (`wire.py`). The remote store they share is `oasiskv.store`."""

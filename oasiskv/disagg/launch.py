@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from oasiskv.disagg.mooncake import MasterHandle, free_port, local_master
-from oasiskv.disagg.store_node import StoreNode
 from oasiskv.serve.server import TOKEN_ENV
+from oasiskv.store.mooncake import MasterHandle, free_port, local_master
+from oasiskv.store.store_node import StoreNode
 
 
 def flags(kwargs: dict) -> list[str]:

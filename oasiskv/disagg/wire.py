@@ -19,9 +19,9 @@ import time
 import torch
 
 from oasiskv.disagg.handoff import TRANSFERS, Handoff
-from oasiskv.disagg.remote_store import BlockKey, RemoteStore, RemoteStoreError
 from oasiskv.outputs import RequestOutput
 from oasiskv.sequence import RequestMetrics
+from oasiskv.store.remote_store import BlockKey, RemoteStore, RemoteStoreError
 
 META = ".meta"
 _TIMES = ("arrival_time", "first_scheduled_time", "first_token_time", "finish_time")

@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from oasiskv.disagg.handoff import receive_handoff, take_handoff
-from oasiskv.disagg.remote_store import RemoteStoreError
 from oasiskv.engine.failures import StepFailures, describe
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.sequence import Sequence
+from oasiskv.store.remote_store import RemoteStoreError
 
 if TYPE_CHECKING:
     from oasiskv.engine.engine import LLMEngine

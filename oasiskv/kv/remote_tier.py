@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from oasiskv.disagg.remote_store import (
+from oasiskv.kv.host_cache import HostCache, prompt_capacity
+from oasiskv.sequence import Sequence
+from oasiskv.store.remote_store import (
     BlockKey,
     InProcessStore,
     MooncakeStore,
     RemoteStore,
     RemoteStoreError,
 )
-from oasiskv.kv.host_cache import HostCache, prompt_capacity
-from oasiskv.sequence import Sequence
 
 if TYPE_CHECKING:
     from oasiskv.disagg.handoff import Handoff

@@ -31,7 +31,6 @@ from starlette.responses import Response
 
 from oasiskv.disagg import wire
 from oasiskv.disagg.handoff import TRANSFERS
-from oasiskv.disagg.remote_store import RemoteStoreError
 from oasiskv.kv.device_budget import device_memory
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.serve import protocol as p
@@ -45,6 +44,7 @@ from oasiskv.serve.serving import (
     response_format,
 )
 from oasiskv.serve.streaming import DONE, KEEPALIVE, SSEResponse
+from oasiskv.store.remote_store import RemoteStoreError
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from conftest import needs_mooncake
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.config import CacheConfig
-from oasiskv.disagg import BlockKey, RemoteStore, RemoteStoreError
 from oasiskv.kv.host_cache import HostCache
 from oasiskv.kv.summaries import round_outward
+from oasiskv.store import BlockKey, RemoteStore, RemoteStoreError
 
 B = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -18,7 +18,7 @@ from test_host_cache import GREEDY, SPARSE, Recording, check_host_caches, prompt
 from oasiskv import LLM, SamplingParams
 from oasiskv.disagg.handoff import TRANSFERS
 from oasiskv.disagg.pd import DisaggregatedLLM
-from oasiskv.disagg.remote_store import BlockKey
+from oasiskv.store.remote_store import BlockKey
 
 B = 16
 

@@ -59,7 +59,7 @@ def test_published_hand_over_continues_like_the_single_engine(tiny_llama, transf
 
 
 def _meta_keys(desc):
-    from oasiskv.disagg.remote_store import BlockKey
+    from oasiskv.store.remote_store import BlockKey
 
     return [BlockKey(desc["meta"]["namespace"], 0, i) for i in range(desc["meta"]["blocks"])]
 

@@ -15,8 +15,8 @@ import torch
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.disagg.pd import DisaggregatedLLM
-from oasiskv.disagg.remote_store import RemoteStoreError
 from oasiskv.spec.drafters import ResyncDrafter
+from oasiskv.store.remote_store import RemoteStoreError
 
 B = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from oasiskv import LLM, SamplingParams
-from oasiskv.disagg.remote_store import BlockKey
 from oasiskv.engine.invariants import InvariantError
+from oasiskv.store.remote_store import BlockKey
 
 PARAMS = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 

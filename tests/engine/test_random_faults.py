@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from test_faults import EXACT, GREEDY, ObservingDrafter, clean, drive, prompts_of
 
 from oasiskv import LLM
-from oasiskv.disagg.remote_store import RemoteStoreError
+from oasiskv.store.remote_store import RemoteStoreError
 
 PREFETCH_STAGES = ("predict", "select", "remote", "local", "fill")
 # where a fault can be injected: the batch's forward pass, a prefetch stage, or the work for

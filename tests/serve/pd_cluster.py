@@ -16,10 +16,10 @@ import openai
 
 from oasiskv.disagg import launch
 from oasiskv.disagg.launch import WorkerProc, wait_healthy  # noqa: F401 - for the tests
-from oasiskv.disagg.mooncake import MasterHandle
 from oasiskv.serve.pool import WorkerPool
 from oasiskv.serve.router import Router, build_router_app
 from oasiskv.serve.server import bind
+from oasiskv.store.mooncake import MasterHandle
 
 TOKEN = "test-worker-token"
 # the tiny model's sparse settings of tests/disagg (top_k=2: the store is read every step)
@@ -73,7 +73,7 @@ def store_leftovers(master: MasterHandle) -> int:
     once, when the store should be empty."""
     import torch
 
-    from oasiskv.disagg.remote_store import MooncakeStore
+    from oasiskv.store.remote_store import MooncakeStore
 
     with MooncakeStore((2, 1, 1, 1), torch.float32, master.address, segment_bytes=0,
                        max_batch_blocks=1) as store:

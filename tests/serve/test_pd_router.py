@@ -32,8 +32,8 @@ from pd_cluster import (
 )
 
 from oasiskv.disagg import launch
-from oasiskv.disagg.mooncake import free_port, start_master
-from oasiskv.disagg.store_node import StoreNode
+from oasiskv.store.mooncake import free_port, start_master
+from oasiskv.store.store_node import StoreNode
 
 pytestmark = needs_mooncake
 PROMPTS = [[(7 * i + 3) % 300 + 3 for i in range(n)] for n in (200, 90)]

@@ -4,7 +4,7 @@ The engines that put blocks then lend nothing (`remote_lend=0`), so every block 
 in this process's segment and every read of it crosses Mooncake's transport, as it would from
 another host. `bench pipeline --remote-store mooncake` runs one beside its master.
 
-`python -m oasiskv.disagg.store_node MASTER BYTES` mounts BYTES of memory, prints "ready", and
+`python -m oasiskv.store.store_node MASTER BYTES` mounts BYTES of memory, prints "ready", and
 holds it until its stdin closes (the parent's `StoreNode.close`, or the parent's death).
 """
 
@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 
-from oasiskv.disagg.remote_store import MooncakeStore
+from oasiskv.store.remote_store import MooncakeStore
 
 
 class StoreNode:
@@ -27,7 +27,7 @@ class StoreNode:
     def __init__(self, master_addr: str, lend_bytes: int, timeout_s: float = 60.0) -> None:
         self.log = tempfile.TemporaryFile()  # Mooncake's log lines, for the error below
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "oasiskv.disagg.store_node", master_addr, str(lend_bytes)],
+            [sys.executable, "-m", "oasiskv.store.store_node", master_addr, str(lend_bytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
         line = self.process.stdout.readline() if ready else ""  # "" also when it died first

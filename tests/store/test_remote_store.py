@@ -20,8 +20,8 @@ import pytest
 import torch
 from conftest import needs_mooncake
 
-from oasiskv.disagg import BlockKey, InProcessStore, MooncakeStore, RemoteStore, RemoteStoreError
-from oasiskv.disagg.mooncake import free_port, port_open, private_network, start_master
+from oasiskv.store import BlockKey, InProcessStore, MooncakeStore, RemoteStore, RemoteStoreError
+from oasiskv.store.mooncake import free_port, port_open, private_network, start_master
 
 BLOCK = (2, 2, 4, 8)  # [2 (K, V), Hkv, B, d]
 DTYPE = torch.bfloat16
@@ -169,7 +169,7 @@ def test_mooncake_unreachable_master_fails_fast(master):
 
 HOLDER = """
 import sys, time, pathlib, torch
-from oasiskv.disagg import MooncakeStore, BlockKey
+from oasiskv.store import MooncakeStore, BlockKey
 addr, prefix, ready = sys.argv[1:4]
 g = torch.Generator().manual_seed(5)
 blocks = torch.randn((6, 2, 2, 4, 8), generator=g).to(torch.bfloat16)

@@ -245,7 +245,7 @@ class MooncakeStore(RemoteStore):
                  local_buffer_bytes: int = 16 << 20, key_prefix: str = "oasiskv",
                  max_batch_blocks: int = 64, retries: int = 5, deadline_s: float = 10.0
                  ) -> None:
-        from oasiskv.disagg.mooncake import port_open, require_mooncake
+        from oasiskv.store.mooncake import port_open, require_mooncake
 
         super().__init__(block_shape, dtype)
         if not _NAMESPACE.fullmatch(key_prefix):
