@@ -14,7 +14,7 @@ from oasiskv.bench.pareto import add_parser as add_pareto_parser
 from oasiskv.bench.serve import add_parser as add_serve_bench_parser
 from oasiskv.cli_input import Parser, flag_type, read_prompt
 from oasiskv.config import CacheConfig, EngineConfig
-from oasiskv.disagg.handoff import TRANSFERS
+from oasiskv.kv.handoff import TRANSFERS
 from oasiskv.spec.train import TrainSpec
 
 
@@ -76,7 +76,7 @@ def _cmd_pd(args: argparse.Namespace) -> int:
     decode = {"f_host": kwargs.pop("f_host", 1.0)}
     if args.serve:
         from oasiskv.config import parse_bytes
-        from oasiskv.disagg.launch import serve_local
+        from oasiskv.serve.pd_launch import serve_local
 
         return serve_local(kwargs, args.prefill_workers, args.decode_workers,
                            parse_bytes(args.store_bytes), args.host, args.port, args.transfer,

@@ -16,4 +16,4 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or token that ended it
     error: str | None = None
     logprobs: list[float] | None = None  # per generated token, when the request asked
-    handoff: object | None = None  # finish_reason "handoff": a disagg.handoff.Handoff
+    handoff: object | None = None  # finish_reason "handoff": a kv.handoff.Handoff

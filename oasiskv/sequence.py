@@ -79,7 +79,7 @@ class Sequence:
     host_cache: object | None = None  # kv.host_cache.HostCache once the prompt is in the store
     # prefill worker: "partial"/"full", hand the request over after one decode step
     transfer: str | None = None
-    # decode worker: the disagg.handoff.Handoff it came with (installed at admission);
+    # decode worker: the kv.handoff.Handoff it came with (installed at admission);
     # prefill worker: the one it left with
     handoff: object | None = None
     host_budget: int | None = None  # a handed-over request: host blocks its cache will own

@@ -33,9 +33,9 @@ from oasiskv.bench.common import (
     write_json,
 )
 from oasiskv.config import EngineConfig
-from oasiskv.disagg.handoff import TRANSFERS
 from oasiskv.disagg.pd import DisaggregatedLLM
 from oasiskv.engine.engine import LLMEngine
+from oasiskv.kv.handoff import TRANSFERS
 from oasiskv.sampling_params import SamplingParams
 
 REQUESTS = [("context", "context"), ("transfer", "transfer"), ("f_host", "f_host"),

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from oasiskv.disagg.handoff import TRANSFERS, Handoff
+from oasiskv.kv.handoff import TRANSFERS, Handoff
 from oasiskv.outputs import RequestOutput
 from oasiskv.sequence import RequestMetrics
 from oasiskv.store.remote_store import BlockKey, RemoteStore, RemoteStoreError

@@ -13,7 +13,6 @@ from collections.abc import Callable
 import torch
 
 from oasiskv.config import CacheConfig, EngineConfig, ModelConfig, parse_bytes
-from oasiskv.disagg.handoff import TRANSFERS, Handoff
 from oasiskv.engine import remote_steps
 from oasiskv.engine.failures import StepFailures
 from oasiskv.engine.invariants import check_invariants
@@ -30,6 +29,7 @@ from oasiskv.kv.device_budget import (
     split_sparse,
     summary_bytes,
 )
+from oasiskv.kv.handoff import TRANSFERS, Handoff
 from oasiskv.kv.remote_tier import RemoteTier, open_store
 from oasiskv.kv.rerank import warm_up_rerank
 from oasiskv.kv.residency import SparseKV

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from oasiskv.disagg.handoff import receive_handoff, take_handoff
 from oasiskv.engine.failures import StepFailures, describe
 from oasiskv.engine.scheduler import ScheduledBatch
+from oasiskv.kv.handoff import receive_handoff, take_handoff
 from oasiskv.sequence import Sequence
 from oasiskv.store.remote_store import RemoteStoreError
 

@@ -29,7 +29,7 @@ from oasiskv.store.remote_store import (
 )
 
 if TYPE_CHECKING:
-    from oasiskv.disagg.handoff import Handoff
+    from oasiskv.kv.handoff import Handoff
 
 _SHARED: weakref.WeakValueDictionary[str, InProcessStore] = weakref.WeakValueDictionary()
 

@@ -10,7 +10,7 @@ import signal
 import sys
 
 from oasiskv.config import parse_bytes
-from oasiskv.disagg.handoff import TRANSFERS
+from oasiskv.kv.handoff import TRANSFERS
 from oasiskv.serve.server import TOKEN_ENV, _after_shutdown, bind
 
 

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 
 from oasiskv.config import parse_bytes
-from oasiskv.disagg.handoff import TRANSFERS
+from oasiskv.kv.handoff import TRANSFERS
 
 ROLES = ("prefill", "decode")
 TOKEN_ENV = "OASISKV_WORKER_TOKEN"
@@ -38,7 +38,7 @@ class ServeOptions:
     shutdown_timeout: float = 30.0
     sse_keepalive: float = 15.0  # seconds without output before a stream's keep-alive comment
     role: str | None = None  # "prefill" | "decode": a worker behind `oasiskv router`
-    transfer: str = "partial"  # a prefill worker's hand-over (disagg.handoff.TRANSFERS)
+    transfer: str = "partial"  # a prefill worker's hand-over (kv.handoff.TRANSFERS)
 
     def __post_init__(self) -> None:
         self.max_body_bytes = parse_bytes(self.max_body_bytes)

@@ -16,8 +16,8 @@ from conftest import needs_mooncake
 from test_host_cache import GREEDY, SPARSE, Recording, check_host_caches, prompts_of
 
 from oasiskv import LLM, SamplingParams
-from oasiskv.disagg.handoff import TRANSFERS
 from oasiskv.disagg.pd import DisaggregatedLLM
+from oasiskv.kv.handoff import TRANSFERS
 from oasiskv.store.remote_store import BlockKey
 
 B = 16

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import httpx
 import openai
 
-from oasiskv.disagg import launch
-from oasiskv.disagg.launch import WorkerProc, wait_healthy  # noqa: F401 - for the tests
+from oasiskv.serve import pd_launch as launch
+from oasiskv.serve.pd_launch import WorkerProc, wait_healthy  # noqa: F401 - for the tests
 from oasiskv.serve.pool import WorkerPool
 from oasiskv.serve.router import Router, build_router_app
 from oasiskv.serve.server import bind

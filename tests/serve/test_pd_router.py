@@ -31,7 +31,7 @@ from pd_cluster import (
     wait_healthy,
 )
 
-from oasiskv.disagg import launch
+from oasiskv.serve import pd_launch as launch
 from oasiskv.store.mooncake import free_port, start_master
 from oasiskv.store.store_node import StoreNode
 
