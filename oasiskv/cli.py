@@ -15,7 +15,7 @@ from oasiskv.bench.serve import add_parser as add_serve_bench_parser
 from oasiskv.cli_input import Parser, flag_type, read_prompt
 from oasiskv.config import CacheConfig, EngineConfig
 from oasiskv.kv.handoff import TRANSFERS
-from oasiskv.spec.train import TrainSpec
+from oasiskv.train.drafter import TrainSpec
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -210,7 +210,7 @@ def _cmd_eval_ruler(args: argparse.Namespace) -> int:
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from oasiskv.bench.common import markdown_table
     from oasiskv.engine.engine import LLMEngine
-    from oasiskv.spec.train import TrainSpec, run
+    from oasiskv.train.drafter import TrainSpec, run
 
     spec = TrainSpec(model=args.model, out=args.out, data=args.data, heldout=args.heldout,
                      tokens=args.tokens, heldout_tokens=args.heldout_tokens, chunk=args.chunk,

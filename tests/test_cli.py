@@ -216,7 +216,7 @@ def test_generate_sparse_prints_per_step_figures(tiny_llama, tmp_path, capsys):
 
 
 def test_train_drafter_flags_reach_the_spec(monkeypatch, tiny_llama, tmp_path):
-    import oasiskv.spec.train as train
+    import oasiskv.train.drafter as train
 
     seen = {}
 
@@ -237,7 +237,7 @@ def test_train_drafter_flags_reach_the_spec(monkeypatch, tiny_llama, tmp_path):
 
 def test_train_drafter_prints_the_held_out_figures(monkeypatch, tiny_llama, tiny_eagle, tmp_path,
                                                    capsys):
-    import oasiskv.spec.train as train
+    import oasiskv.train.drafter as train
 
     out, result = tiny_eagle
     monkeypatch.setattr(train, "run", lambda engine, spec, aux: result)

@@ -111,14 +111,19 @@ class LLMEngine:
         if lookahead or self.speculative:
             self.drafter = make_drafter(
                 config.spec.drafter, config.spec.draft_model, mc.vocab_size,
-                target=model, dtype=config.dtype, device=config.device,
-                device_kv_budget="1GiB")
+                target=model, make_engine=LLMEngine.from_kwargs, dtype=config.dtype,
+                device=config.device, device_kv_budget="1GiB")
             self.runner.aux_layers = self.drafter.feature_layers
         self.scheduler.extra_decode_slots = int(self.speculative)
         self.runner.keep_draft_kv = self.speculative
         self.step_log: deque[dict] = deque(maxlen=100_000)  # per-step figures, newest last
         # Called with (batch) after each successful forward; tests use it to inject faults.
         self.step_hooks: list[Callable[[ScheduledBatch], None]] = []
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> LLMEngine:
+        """An engine of `EngineConfig.from_kwargs(**kwargs)` (the keywords of `LLM(...)`)."""
+        return cls(EngineConfig.from_kwargs(**kwargs))
 
     def _build_kv(self, cache: CacheConfig, mc: ModelConfig, dtype: torch.dtype) -> None:
         """Device tensors (dense blocks, or sparse slabs and block summaries) that together

@@ -8,14 +8,16 @@ along with x_{t+1} in step t+1; the draft's per-layer queries then predict step 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from oasiskv.config import head_dir
 from oasiskv.models.llama import LlamaForCausalLM
+from oasiskv.sampling_params import SamplingParams
 from oasiskv.spec.eagle import load_head
 
 if TYPE_CHECKING:
@@ -171,15 +173,17 @@ class ResyncDrafter(Drafter):
 
 class ModelDrafter(Drafter):
     """A separate small model sharing the tokenizer, run between steps: it keeps its own dense
-    KV per request, computes the tokens it has not seen yet and proposes its top tokens."""
+    KV per request, computes the tokens it has not seen yet and proposes its top tokens.
+
+    `make_engine(model=..., **engine_kwargs)` builds the engine that runs it (the target's
+    engine passes its own `LLMEngine.from_kwargs`: drafters sit below the engine and do not
+    import it)."""
 
     name = "model"
 
-    def __init__(self, model: str, vocab_size: int, **engine_kwargs) -> None:
-        from oasiskv.config import EngineConfig  # the engine imports this module
-        from oasiskv.engine.engine import LLMEngine
-
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
+    def __init__(self, model: str, vocab_size: int, make_engine: Callable[..., Any],
+                 **engine_kwargs) -> None:
+        self.engine = make_engine(model=model, **engine_kwargs)
         if self.engine.model_config.vocab_size != vocab_size:
             raise ValueError(f"draft model {model!r} has a vocabulary of "
                              f"{self.engine.model_config.vocab_size} tokens, the target "
@@ -187,8 +191,6 @@ class ModelDrafter(Drafter):
         self.seqs: dict[str, Sequence] = {}
 
     def propose_weighted(self, tokens, draft_logits, prev_draft, num=1, request_id=""):
-        from oasiskv.sampling_params import SamplingParams
-
         seq = self.seqs.get(request_id)
         if seq is None:
             seq = self.engine.make_sequence(list(tokens), SamplingParams(max_tokens=1))
@@ -293,9 +295,11 @@ DRAFTERS: dict[str, type[Drafter]] = {d.name: d for d in (SelfDrafter, NgramDraf
 
 
 def make_drafter(name: str, draft_model: str | None = None, vocab_size: int = 0,
-                 target: LlamaForCausalLM | None = None, **engine_kwargs) -> Drafter:
+                 target: LlamaForCausalLM | None = None,
+                 make_engine: Callable[..., Any] | None = None, **engine_kwargs) -> Drafter:
     """`name` is a drafter of DRAFTERS, `eagle:DIR` or `resync-eagle:DIR` (a head trained
-    for the target)."""
+    for the target). Drafter 'model' runs `draft_model` in an engine that `make_engine`
+    builds (`ModelDrafter`)."""
     path = head_dir(name)
     if path is not None:
         if target is None:
@@ -308,5 +312,8 @@ def make_drafter(name: str, draft_model: str | None = None, vocab_size: int = 0,
         if not draft_model:
             raise ValueError("drafter 'model' needs draft_model (a model alias, HF directory "
                              "or .gguf file sharing the target's tokenizer)")
-        return ModelDrafter(draft_model, vocab_size, **engine_kwargs)
+        if make_engine is None:
+            raise ValueError("drafter 'model' runs a second engine: pass make_engine (the "
+                             "target engine's LLMEngine.from_kwargs)")
+        return ModelDrafter(draft_model, vocab_size, make_engine, **engine_kwargs)
     return DRAFTERS[name]()

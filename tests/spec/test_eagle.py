@@ -13,7 +13,7 @@ from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.spec.drafters import make_drafter
 from oasiskv.spec.eagle import EagleConfig, EagleHead, load_head
-from oasiskv.spec.train import (
+from oasiskv.train.drafter import (
     TrainSpec,
     draft_vocabulary,
     evaluate,
