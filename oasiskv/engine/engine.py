@@ -13,10 +13,11 @@ from collections.abc import Callable
 import torch
 
 from oasiskv.config import CacheConfig, EngineConfig, ModelConfig, parse_bytes
+from oasiskv.context import StepContext
 from oasiskv.engine import remote_steps
 from oasiskv.engine.failures import StepFailures
 from oasiskv.engine.invariants import check_invariants
-from oasiskv.engine.runner import ModelRunner, allocate_kv, is_decode
+from oasiskv.engine.runner import ModelRunner, StepOutput, allocate_kv, is_decode
 from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
 from oasiskv.kv.blocks import BlockPool, KVAllocator
 from oasiskv.kv.dense_layers import allocate_dense_kv, check_dense_layers, sparse_layers
@@ -46,7 +47,7 @@ from oasiskv.prefetch.stages import warm_up_scores
 from oasiskv.prefetch.trace import Tracer
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.sequence import Sequence
-from oasiskv.spec.drafters import chained_draft, make_drafter, sampling_weights
+from oasiskv.spec.drafters import Drafter, chained_draft, make_drafter, sampling_weights
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +110,10 @@ class LLMEngine:
         self.speculative = config.spec.speculative == "accept"
         self.drafter = None
         if lookahead or self.speculative:
-            self.drafter = make_drafter(
+            self.attach_drafter(make_drafter(
                 config.spec.drafter, config.spec.draft_model, mc.vocab_size,
                 target=model, make_engine=LLMEngine.from_kwargs, dtype=config.dtype,
-                device=config.device, device_kv_budget="1GiB")
-            self.runner.aux_layers = self.drafter.feature_layers
+                device=config.device, device_kv_budget="1GiB"))
         self.scheduler.extra_decode_slots = int(self.speculative)
         self.runner.keep_draft_kv = self.speculative
         self.step_log: deque[dict] = deque(maxlen=100_000)  # per-step figures, newest last
@@ -302,12 +302,48 @@ class LLMEngine:
         try:
             for start in range(0, len(ids), chunk):
                 n = min(chunk, len(ids) - start)
-                self.kv.grow(seq, start + n)
-                self.runner.run([(seq, n)], [])
+                self.forward(seq, n, sample_rows=[])
                 seq.num_computed_tokens += n
             return self.runner.read_kv(seq, len(ids))
         finally:
-            self.kv.free(seq)
+            self.free(seq)
+
+    def forward(self, seq: Sequence, num_tokens: int | None = None,
+                sample_rows: list[int] | None = None, aux_layers: tuple[int, ...] = (),
+                edit_context: Callable[[StepContext], None] | None = None) -> StepOutput:
+        """Runs a sequence of `make_sequence` that is not a request (drafting, training,
+        evaluation) through the model outside the scheduler, as a step that scheduled it
+        alone would: its next `num_tokens` tokens (default: all that lack K/V), its draft
+        tokens riding along in a decode step. Its blocks grow to hold them and their K/V is
+        written; the caller advances `seq.num_computed_tokens` and gives the blocks back with
+        `free`. Returns the logits at `sample_rows` (rows of these tokens; default the last),
+        the draft rows' logits and the outputs of `aux_layers` (`StepOutput`).
+        `edit_context(ctx)` may change the step's context before the model runs (the recall
+        tool's per-K draft views and its probe)."""
+        n = seq.num_tokens - seq.num_computed_tokens if num_tokens is None else num_tokens
+        self.kv.grow(seq, seq.num_computed_tokens + n)
+        runner = self.runner
+        runner.aux_layers, saved = aux_layers, runner.aux_layers
+        try:
+            return runner.run([(seq, n)], [n - 1] if sample_rows is None else sample_rows,
+                              edit_context)
+        finally:
+            runner.aux_layers = saved
+
+    def free(self, seq: Sequence) -> None:
+        """Gives back the blocks of a sequence `forward` ran."""
+        self.kv.free(seq)
+
+    def attach_drafter(self, drafter: Drafter | None) -> None:
+        """Makes `drafter` the one the steps feed and ask (None: no drafter); the runner
+        computes the outputs of its feature layers."""
+        self.drafter = drafter
+        self.runner.aux_layers = () if drafter is None else drafter.feature_layers
+
+    @property
+    def device_kv(self) -> torch.Tensor:
+        """The device KV pool [L, 2, Hkv, slots, d] the steps write (sparse: the slabs)."""
+        return self.runner.device_kv
 
     def add_sequence(self, seq: Sequence) -> str:
         seq.metrics.num_prompt_tokens = seq.num_prompt_tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -204,15 +205,19 @@ class ModelRunner:
         self.device_kv[:, 1, :, slot] = v
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, sample_rows: list[int]) -> StepOutput:
+    def run(self, batch: ScheduledBatch, sample_rows: list[int],
+            edit_context: Callable[[StepContext], None] | None = None) -> StepOutput:
         """Computes K/V for the batch's new tokens; returns logits [S, V] at `sample_rows`
         (last row of each sequence that samples this step), per batch entry the logits of its
         draft rows [m, V] (None without drafts) and, when `aux_layers` is set, the features of
-        its rows, normal then draft."""
+        its rows, normal then draft. `edit_context` may change the step's context before the model
+        runs (`LLMEngine.forward`)."""
         for seq, _ in batch:
             if seq.prefix_kv is not None:
                 self.write_prefix(seq)
         input_ids, positions, ctx = self.prepare(batch)
+        if edit_context is not None:
+            edit_context(ctx)
         if self.keep_draft_kv and any(attn.draft_rows for attn in ctx.seqs):
             ctx.draft_kv = {}
             self._last = ({id(seq): i for i, (seq, _) in enumerate(batch)}, ctx)

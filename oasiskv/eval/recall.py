@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from oasiskv.bench.common import markdown_table, parse_list, pyplot, save_figure, write_json
 from oasiskv.config import CacheConfig, SpecConfig, head_dir
-from oasiskv.context import SeqAttention, set_context
+from oasiskv.context import SeqAttention, StepContext
 from oasiskv.data.austen import austen_text
 from oasiskv.data.passages import paragraph_prompt
 from oasiskv.eval.recall_probe import RecallProbe, RowKey, Totals, reranked
@@ -136,42 +136,42 @@ def decode_step(engine, seq: Sequence, drafts: dict[tuple[int, str], list[int]],
                 weights: dict[tuple[int, str], list[float] | None] | None = None,
                 ) -> tuple[torch.Tensor, dict[tuple[int, str], torch.Tensor]]:
     """One dense decode step of `seq` (its last token) with draft rows (each (K, drafter) its
-    drafts, best first, with the drafter's `weights`), outside the scheduler. Draft rows of
-    each K get their own SeqAttention (same rows of the normal token, its own draft_valid).
-    Returns the normal row's logits [V] and each key's draft rows' logits [n, V]; the caller
-    advances the sequence. A `drafter` reading target features observes the normal row's."""
-    runner, model = engine.runner, engine.runner.model
-    engine.kv.grow(seq, seq.num_computed_tokens + 1)
+    drafts, best first, with the drafter's `weights`), outside the scheduler
+    (`LLMEngine.forward`). Draft rows of each K get their own SeqAttention (same rows of the
+    normal token, its own draft_valid). Returns the normal row's logits [V] and each key's
+    draft rows' logits [n, V]; the caller advances the sequence. A `drafter` reading target
+    features observes the normal row's."""
+    views: dict[int, SeqAttention] = {}
+
+    def split_drafts(ctx: StepContext) -> None:
+        """One view per K, the probe as the layers' hooks."""
+        base = ctx.seqs[0]
+        free = iter(base.draft_rows)
+        rows = {key: [next(free) for _ in tokens] for key, tokens in drafts.items()}
+        for k in dict.fromkeys(k for k, _ in drafts):
+            views[k] = dataclasses.replace(base, draft_rows=[r for (kk, _), rs in rows.items()
+                                                             if kk == k for r in rs],
+                                           draft_valid=None)
+        ctx.seqs, ctx.sparse = list(views.values()) or [base], probe
+        if probe is not None:
+            probe.begin_step(seq.num_computed_tokens, views, rows, weights or {}, predict,
+                             score)
+
     seq.draft_tokens = [t for tokens in drafts.values() for t in tokens]
     try:
-        input_ids, positions, ctx = runner.prepare([(seq, 1)])
+        out = engine.forward(seq, 1, aux_layers=drafter.feature_layers if drafter else (),
+                             edit_context=split_drafts)
     finally:
         seq.draft_tokens = []
-    base = ctx.seqs[0]
-    free = iter(base.draft_rows)
-    rows = {key: [next(free) for _ in tokens] for key, tokens in drafts.items()}
-    attns: dict[int, SeqAttention] = {}
-    for k in dict.fromkeys(k for k, _ in drafts):
-        attns[k] = dataclasses.replace(base, draft_rows=[r for (kk, _), rs in rows.items()
-                                                          if kk == k for r in rs],
-                                       draft_valid=None)
-    ctx.seqs, ctx.sparse = list(attns.values()) or [base], probe
-    if probe is not None:
-        probe.begin_step(seq.num_computed_tokens, attns, rows, weights or {}, predict, score)
-    with torch.inference_mode():
-        set_context(ctx)
-        try:
-            hidden = model(input_ids, positions, drafter.feature_layers if drafter else ())
-        finally:
-            set_context(None)
-        if drafter is not None:
-            hidden, features = hidden
-            drafter.observe(seq.request_id, seq.num_computed_tokens, features[:1])
-        logits = model.compute_logits(hidden[[0, *base.draft_rows]]).float()
-    out, at = {}, 1
-    for key, rs in rows.items():
-        out[key], at = logits[at:at + len(rs)], at + len(rs)
-    return logits[0], out
+    if drafter is not None:
+        drafter.observe(seq.request_id, seq.num_computed_tokens, out.features[0][:1])
+    # a view's draft rows: those of its K's keys, in order (None: none)
+    per_view = dict(zip(views, out.draft_logits, strict=True)) if views else {}
+    at, by_key = dict.fromkeys(views, 0), {}
+    for (k, d), tokens in drafts.items():
+        logits = per_view[k] if per_view[k] is not None else out.logits[:0]
+        by_key[(k, d)], at[k] = logits[at[k]:at[k] + len(tokens)], at[k] + len(tokens)
+    return out.logits[0], by_key
 
 
 def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
@@ -189,18 +189,18 @@ def measure_prompt(engine, ids: list[int], spec: RecallSpec, totals: Totals,
     for other in heads[1:]:  # the same head (one directory per run): one state, one observer
         other.head, other.states = eagle.head, eagle.states
     if eagle is not None:  # it reads the prompt's features as the engine prefills
-        engine.drafter, engine.runner.aux_layers = eagle, eagle.feature_layers
+        engine.attach_drafter(eagle)
     try:
         seq, prefill_s = prefill(engine, ids, spec.steps + 8, bar, spec.temperature, spec.seed)
     finally:
-        engine.drafter, engine.runner.aux_layers = None, ()
+        engine.attach_drafter(None)
     try:
         p = seq.num_prompt_tokens
         oracle = ORACLE in spec.lookahead_drafters or (spec.sync_start
                                                         and bool(spec.lookahead_drafters))
         follow = oracle or spec.temperature > 0  # measured steps follow a decoded trajectory
         trajectory = greedy_trajectory(engine, seq, spec.steps + 1) if follow else None
-        probe = RecallProbe(engine.runner.model, engine.runner.device_kv, seq,
+        probe = RecallProbe(engine.model, engine.device_kv, seq,
                             engine.config.cache.block_size, spec.top_ks,
                             "previous" in spec.predictors, totals, spec.draft_context, record,
                             spec.rerank, engine.config.cache.summary_splits)

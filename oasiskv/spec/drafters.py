@@ -196,16 +196,14 @@ class ModelDrafter(Drafter):
             seq = self.engine.make_sequence(list(tokens), SamplingParams(max_tokens=1))
             self.seqs[request_id] = seq
         seq.token_ids[:] = tokens  # its KV covers only true tokens, so the prefix matches
-        new = len(tokens) - seq.num_computed_tokens
-        self.engine.kv.grow(seq, len(tokens))
-        logits = self.engine.runner.run([(seq, new)], [new - 1]).logits
+        logits = self.engine.forward(seq).logits  # the tokens it has not seen yet
         seq.num_computed_tokens = len(tokens)
         return top_guesses(logits[0], num)
 
     def release(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
-            self.engine.kv.free(seq)
+            self.engine.free(seq)
 
 
 @dataclass

@@ -138,14 +138,10 @@ def target_features(engine, ids: list[int], aux_layers: tuple[int, ...],
     from oasiskv.sampling_params import SamplingParams
 
     seq = engine.make_sequence(ids, SamplingParams(max_tokens=1))
-    engine.kv.grow(seq, len(ids))
-    runner = engine.runner
-    runner.aux_layers, saved = aux_layers, runner.aux_layers
     try:
-        out = runner.run([(seq, len(ids))], list(range(len(ids))))
+        out = engine.forward(seq, len(ids), list(range(len(ids))), aux_layers)
     finally:
-        runner.aux_layers = saved
-        engine.kv.free(seq)
+        engine.free(seq)
     features = out.features[0]
     if not torch.isfinite(features).all() or features.abs().max() > 6e4:
         raise RuntimeError("target features overflow fp16; store them in fp32")
