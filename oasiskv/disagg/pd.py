@@ -244,7 +244,7 @@ class DisaggregatedLLM:
                 try:
                     self.decode.add_handoff(out.handoff, by_id[out.request_id])
                 except ValueError as e:
-                    self.decode.sparse.remote.drop_handoff(out.handoff)
+                    self.decode.remote.drop_handoff(out.handoff)
                     outs[out.request_id] = _failed(out.request_id, str(e))
             if self.decode.has_unfinished():
                 progressed = True

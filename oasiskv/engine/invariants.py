@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from oasiskv.engine.stats import device_tensors
 from oasiskv.kv.blocks import BlockPool
-from oasiskv.kv.device_budget import device_tensors
 from oasiskv.kv.remote_tier import RemoteTier, request_namespaces
 from oasiskv.sequence import Sequence, SequenceStatus
 
@@ -54,8 +54,8 @@ def violations(engine: LLMEngine, foreign: Iterable[str] = ()) -> list[str]:
         stale = {s.request_id for s in sparse.pipeline.pending_owners() if id(s) not in live_ids}
         if stale:
             problems.append(f"prefetch jobs still pending for ended requests {sorted(stale)}")
-        if sparse.remote is not None:
-            problems += _store(sparse.remote, live, set(foreign))
+        if engine.remote is not None:
+            problems += _store(engine.remote, live, set(foreign))
     return problems
 
 

@@ -1,4 +1,6 @@
-"""A step's traffic with the remote store (sparse mode with a remote_store): a decode worker
+"""The remote store and hand-over lifecycle (sparse mode with a remote_store): admission of a
+request that reuses prompt blocks another request put there, of a request a prefill worker
+hands over (its checks, its host-cache budget), and each step's traffic: a decode worker
 installs the hand-overs of the requests it admits, a request whose prefill is done puts its
 prompt blocks, a prefill worker hands requests over, and requests whose fetch failed end.
 
@@ -10,14 +12,94 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from oasiskv.engine.failures import StepFailures, describe
 from oasiskv.engine.scheduler import ScheduledBatch
-from oasiskv.kv.handoff import receive_handoff, take_handoff
+from oasiskv.kv.handoff import TRANSFERS, Handoff, receive_handoff, take_handoff
+from oasiskv.sampling_params import SamplingParams
 from oasiskv.sequence import Sequence
 from oasiskv.store.remote_store import RemoteStoreError
 
 if TYPE_CHECKING:
     from oasiskv.engine.engine import LLMEngine
+
+
+def check_remote(engine: LLMEngine, what: str) -> None:
+    if engine.remote is None:
+        raise ValueError(f"{what} needs kv_mode=sparse and a remote_store shared with the "
+                         "other worker (inprocess://NAME or mooncake://HOST:PORT)")
+
+
+def check_transfer(engine: LLMEngine, transfer: str) -> None:
+    """A prefill worker's request that leaves after its first decode step (`add_request`)."""
+    check_remote(engine, "a hand-over")
+    if transfer not in TRANSFERS:
+        raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
+
+
+def reuse_prefix(engine: LLMEngine, seq: Sequence) -> None:
+    """A new request whose prompt begins with blocks another request put to the store reads
+    their K/V instead of computing them again (prefix reuse)."""
+    if engine.remote is None or seq.num_computed_tokens or seq.handoff is not None:
+        return
+    kv = engine.remote.reusable_prefix(seq.token_ids[:seq.num_prompt_tokens])
+    if kv is not None:
+        seq.prefix_kv, seq.num_computed_tokens = kv.to(engine.runner.device_kv.dtype), (
+            kv.shape[3])
+        engine.counters["prefix_reused_tokens"] += kv.shape[3]
+
+
+def handoff_sequence(engine: LLMEngine, handoff: Handoff, params: SamplingParams) -> Sequence:
+    """Decode worker: the request a hand-over continues, checked against this engine (the
+    same model, block, top_k, summary splits and key copy as the prefill worker's), with the
+    host blocks its cache may own; not yet added."""
+    check_remote(engine, "a handed-over request")
+    h, mc, B = handoff, engine.model_config, engine.config.cache.block_size
+    L, _, hkv, _, d = h.tail.shape
+    if (L, hkv, d, h.block_size) != (mc.num_layers, mc.num_kv_heads, mc.head_dim, B):
+        raise ValueError(f"hand-over of request {h.request_id!r} has {L} layers x {hkv} KV "
+                         f"heads x head_dim {d}, block {h.block_size}; this engine has "
+                         f"{mc.num_layers} x {mc.num_kv_heads} x {mc.head_dim}, block {B}")
+    if h.head_map.shape[1] != engine.config.cache.top_k:
+        raise ValueError(f"hand-over of request {h.request_id!r} has working sets of top_k "
+                         f"{h.head_map.shape[1]}, this engine's top_k is "
+                         f"{engine.config.cache.top_k}")
+    if h.summary_splits != engine.config.cache.summary_splits:
+        raise ValueError(f"hand-over of request {h.request_id!r} has summary_splits "
+                         f"{h.summary_splits}, this engine's is "
+                         f"{engine.config.cache.summary_splits}: set it alike on both workers")
+    cache = engine.config.cache
+    ours = cache.key_copy_bits if cache.key_copy else None
+    theirs = None if h.key_codes is None else (8 if h.key_codes.dtype == torch.int8 else 4)
+    if ours != theirs:
+        def kind(bits: int | None) -> str:
+            return "no key copy" if bits is None else f"an int{bits} key copy"
+        raise ValueError(f"hand-over of request {h.request_id!r} has {kind(theirs)}, this "
+                         f"engine reranks from {kind(ours)}: set rerank and rerank_source "
+                         "alike on both workers")
+    if h.request_id in engine.requests:
+        raise ValueError(f"request id {h.request_id!r} is already in use")
+    max_context = min(h.num_prompt_tokens + params.max_tokens, engine.max_model_len)
+    if len(h.token_ids) >= max_context:
+        raise ValueError(f"request {h.request_id!r} has {len(h.token_ids)} tokens, its "
+                         f"max_context is {max_context}: nothing left to decode")
+    P = h.num_prompt_blocks
+    budget = engine.remote.capacity(P) + engine.host_pool.blocks_for(max_context) - P
+    problem = engine.kv.fits_alone(max_context, host_blocks=budget)
+    if problem:
+        raise ValueError(problem)
+    seq = Sequence(h.request_id, list(h.token_ids), h.num_prompt_tokens, params,
+                   prompt=h.prompt, max_context=max_context, metrics=h.metrics,
+                   num_computed_tokens=h.num_computed_tokens, handoff=h,
+                   host_budget=budget, draft_tokens=list(h.draft_tokens),
+                   draft_weights=h.draft_weights)
+    if h.generator_state is not None:
+        seq.generator = torch.Generator()
+        seq.generator.set_state(h.generator_state)
+    seq.output_text = engine.decode(seq)
+    return seq
+
 
 
 def _why(exc: Exception) -> str:
@@ -62,7 +144,7 @@ def store_prompts(engine: LLMEngine, batch: ScheduledBatch, failures: StepFailur
             sparse.store_prompt(seq)
             engine.kv.shrink_host(seq, seq.host_cache.owned)
         except Exception as e:  # noqa: BLE001 - fails this request only
-            sparse.remote.remove(sparse.remote.namespace(seq.request_id))  # what got there
+            engine.remote.remove(engine.remote.namespace(seq.request_id))  # what got there
             failures.fail(seq, f"remote tier: storing the prompt of request {seq.request_id} "
                                f"failed: {_why(e)}")
 

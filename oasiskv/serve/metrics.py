@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from oasiskv.kv.device_budget import device_memory
+from oasiskv.engine.stats import device_memory
 from oasiskv.outputs import RequestOutput
 from oasiskv.sequence import Sequence
 

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.responses import Response
 
 from oasiskv.disagg import wire
-from oasiskv.kv.device_budget import device_memory
+from oasiskv.engine.stats import device_memory
 from oasiskv.kv.handoff import TRANSFERS
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.serve import protocol as p
