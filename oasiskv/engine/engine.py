@@ -22,7 +22,7 @@ from oasiskv.context import StepContext
 from oasiskv.engine import drafting, remote_steps, unscheduled
 from oasiskv.engine.failures import StepFailures
 from oasiskv.engine.invariants import check_invariants
-from oasiskv.engine.kv_tiers import build_kv_tiers
+from oasiskv.engine.kv_tiers import build_kv_tiers, close_tiers, trace_tiers
 from oasiskv.engine.runner import StepOutput, is_decode
 from oasiskv.engine.scheduler import ScheduledBatch, Scheduler
 from oasiskv.engine.stats import engine_stats
@@ -103,11 +103,7 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             text, ids = None, list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                                 f"[0, {vocab})")
+            self._check_vocab("prompt token ids", ids)
         if not ids:
             raise ValueError("prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -125,13 +121,8 @@ class LLMEngine:
         request_id = request_id or str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        for what, tokens in (("forced tokens", params.forced_tokens),
-                             ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in tokens
-                   if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"{what} {bad[:5]} are outside the vocabulary "
-                                 f"[0, {self.model_config.vocab_size})")
+        self._check_vocab("forced tokens", params.forced_tokens)
+        self._check_vocab("stop_token_ids", params.stop_token_ids)
         if prefix_kv is not None:
             prefix_kv = unscheduled.check_prefix_kv(self, prefix_kv, len(ids))
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -140,6 +131,12 @@ class LLMEngine:
         if prefix_kv is not None:
             seq.num_computed_tokens = prefix_kv.shape[3]
         return seq
+
+    def _check_vocab(self, what: str, tokens: list) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     # ---- outside the scheduler ------------------------------------------------------------
 
@@ -206,19 +203,12 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stops the prefetch workers (pending jobs finish first)."""
-        if self.sparse is not None:
-            self.sparse.flush()
-            self.sparse.pipeline.close()
-            if self.remote is not None:
-                self.remote.close()
+        close_tiers(self.sparse, self.remote)
 
     def trace(self) -> Tracer:
         """Starts recording a Chrome trace of the prefetch pipeline and the foreground layers
         (sparse mode); write it with `.write(path)`."""
-        tracer = Tracer()
-        if self.sparse is not None:
-            self.sparse.pipeline.tracer = self.sparse.pipeline.executor.tracer = tracer
-        return tracer
+        return trace_tiers(self.sparse)
 
     def abort(self, request_id: str) -> None:
         seq = self.requests.get(request_id)

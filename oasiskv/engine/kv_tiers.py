@@ -35,6 +35,7 @@ from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.prefetch.executor import make_executor
 from oasiskv.prefetch.pipeline import PrefetchPipeline
 from oasiskv.prefetch.stages import warm_up_scores
+from oasiskv.prefetch.trace import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -165,3 +166,21 @@ def warm_up(sparse: SparseKV, cache: CacheConfig, mc: ModelConfig) -> None:
     if cache.key_copy:
         warm_up_key_copy(sparse.host_kv, cache.block_size, cache.key_copy_bits)
     log.info("compiled the block scoring in %.1f s", time.perf_counter() - t0)
+
+
+def close_tiers(sparse: SparseKV | None, remote: RemoteTier | None) -> None:
+    """Stops the prefetch workers (pending jobs finish first) and closes the store."""
+    if sparse is not None:
+        sparse.flush()
+        sparse.pipeline.close()
+        if remote is not None:
+            remote.close()
+
+
+def trace_tiers(sparse: SparseKV | None) -> Tracer:
+    """A Chrome trace recorder of the prefetch pipeline and the foreground layers (sparse
+    mode; dense: one that records nothing)."""
+    tracer = Tracer()
+    if sparse is not None:
+        sparse.pipeline.tracer = sparse.pipeline.executor.tracer = tracer
+    return tracer

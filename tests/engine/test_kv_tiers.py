@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from oasiskv.config import CacheConfig, EngineConfig
-from oasiskv.engine.kv_tiers import build_kv_tiers
+from oasiskv.engine.kv_tiers import build_kv_tiers, close_tiers, trace_tiers
 from oasiskv.engine.stats import device_tensors
 from oasiskv.engine.weights import load_model
 from oasiskv.kv.remote_tier import RemoteTier
@@ -25,10 +25,12 @@ def model(tiny_llama):
     return m, mc
 
 
-def build(model, **kw):
+def build(model, owner=None, **kw):
+    """`owner`: keeps the workers alive while it lives (default: a temporary one)."""
     m, mc = model
     cache = CacheConfig(**kw)
-    return build_kv_tiers(Owner(), m, cache, mc, torch.float32, torch.device("cpu"), 512)
+    return build_kv_tiers(owner or Owner(), m, cache, mc, torch.float32, torch.device("cpu"),
+                          512)
 
 
 def test_dense_tiers_are_one_device_pool_of_the_budget(model):
@@ -70,3 +72,16 @@ def test_a_host_budget_under_one_block_is_a_clear_error(model):
     cache = CacheConfig(kv_mode="sparse", host_kv_budget=BLOCK - 1)
     with pytest.raises(ValueError, match="smaller than one KV block"):
         build_kv_tiers(Owner(), m, cache, mc, torch.float32, torch.device("cpu"), 512)
+
+
+def test_a_trace_records_the_pipeline_and_closing_stops_its_workers(model):
+    owner = Owner()
+    t = build(model, owner, kv_mode="sparse", top_k=2, device_kv_budget=300 * KiB,
+              host_kv_budget=1024 * KiB, prefetch="async")
+    t.sparse.pipeline.executor.submit("select", lambda: None).wait()  # running
+    tracer = trace_tiers(t.sparse)
+    assert t.sparse.pipeline.tracer is tracer and t.sparse.pipeline.executor.tracer is tracer
+    assert trace_tiers(None) is not tracer  # dense: a recorder of nothing
+    close_tiers(t.sparse, t.remote)
+    with pytest.raises(RuntimeError, match="closed"):  # its workers have stopped
+        t.sparse.pipeline.executor.submit("select", lambda: None)
