@@ -4,7 +4,6 @@ over the same config as `LLM(...)`."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -12,26 +11,11 @@ from pathlib import Path
 
 from oasiskv.bench.pareto import add_parser as add_pareto_parser
 from oasiskv.bench.serve import add_parser as add_serve_bench_parser
-from oasiskv.cli_input import Parser, flag_type, read_prompt
+from oasiskv.cli_input import Parser, read_prompt
 from oasiskv.config import CacheConfig, EngineConfig
 from oasiskv.disagg.handoff import TRANSFERS
+from oasiskv.engine_args import add_engine_flags, engine_kwargs
 from oasiskv.spec.train import TrainSpec
-
-
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per config field (`--max-num-seqs` for `max_num_seqs`), defaults from the
-    dataclasses, so the CLI and `LLM(**kwargs)` never drift apart."""
-    group = parser.add_argument_group("engine")
-    for _, f in EngineConfig.flat_fields():
-        default = None if f.default is dataclasses.MISSING else f.default
-        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
-                           type=flag_type(f.type), default=argparse.SUPPRESS,
-                           help=f"{f.metadata.get('help', '')} (default: {default})")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = {f.name for _, f in EngineConfig.flat_fields()}
-    return {k: v for k, v in vars(args).items() if k in names}
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

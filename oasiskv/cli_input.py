@@ -16,23 +16,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"oasiskv: error: {message} (see: {self.prog} --help)\n")
 
 
-def flag_type(annotation: str | type) -> type:
-    """The type a flag (or a KEY=VAL option) of a config field with this annotation parses
-    its text with."""
-    # Fields are annotated like "int | None" (postponed annotations).
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
-    names = [n.strip() for n in text.split("|")]
-    if "str" in names:  # e.g. `int | str` sizes like 512MiB: the dataclass parses the text
-        return str
-    return {"int": int, "float": float, "bool": parse_bool}.get(names[0], str)
-
-
-def parse_bool(text: str) -> bool:
-    if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-        raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-    return text.lower() in ("1", "true", "yes", "on")
-
-
 def read_prompt(args: argparse.Namespace) -> str:
     """--prompt TEXT, or the contents of --prompt-file: UTF-8 text, not empty."""
     if not args.prompt_file:

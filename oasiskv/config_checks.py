@@ -3,7 +3,7 @@ floats, byte sizes read from text, and a device this machine has.
 
 A wrongly typed value is refused, not coerced (`top_k="32"`, `max_num_seqs=2.5`,
 `prefault_kv=1`). The command line parses numbers from text before they get here
-(`cli_input.flag_type` derives each flag's type from the same annotations), so only the Python API
+(`engine_args.flag_type` derives each flag's type from the same annotations), so only the Python API
 can hand in a wrong type. Fields annotated with `str` beside a number (byte budgets,
 `f_hbm="auto"`) keep taking text, which their own `__post_init__` parses.
 """

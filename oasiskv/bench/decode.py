@@ -26,7 +26,7 @@ from oasiskv.bench.common import (
     write_json,
 )
 from oasiskv.bench.peers import load_hf, timed_generate
-from oasiskv.cli import engine_kwargs
+from oasiskv.engine_args import engine_kwargs
 from oasiskv.llm import LLM
 from oasiskv.sampling_params import SamplingParams
 

@@ -8,8 +8,8 @@ import argparse
 import dataclasses
 from typing import Any
 
-from oasiskv.cli_input import flag_type
 from oasiskv.config import CacheConfig
+from oasiskv.engine_args import flag_type
 from oasiskv.eval.fidelity import Setting
 
 DEFAULT = "default"

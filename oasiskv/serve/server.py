@@ -62,7 +62,7 @@ class ServeOptions:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """The `serve` subcommand: every engine flag and the server's own."""
-    from oasiskv.cli import add_engine_flags
+    from oasiskv.engine_args import add_engine_flags
 
     d = ServeOptions()
     sp = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine")
@@ -129,7 +129,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def run(args: argparse.Namespace) -> int:
     from oasiskv import LLM
-    from oasiskv.cli import engine_kwargs
+    from oasiskv.engine_args import engine_kwargs
 
     role = args.role
     if role is None and args.worker_token:
