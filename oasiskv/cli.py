@@ -133,7 +133,7 @@ def summary(out, stats: dict, steps: list[dict]) -> str:
 
 
 def step_table(steps: list[dict]) -> str:
-    from oasiskv.bench.common import markdown_table
+    from oasiskv.report import markdown_table
 
     cols = [("step", "step"), ("seqs", "seqs"), ("prefill_tokens", "prefill tok"),
             ("decode_tokens", "decode tok"), ("time_s", "time s")]
@@ -192,8 +192,8 @@ def _cmd_eval_ruler(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
-    from oasiskv.bench.common import markdown_table
     from oasiskv.engine.engine import LLMEngine
+    from oasiskv.report import markdown_table
     from oasiskv.spec.train import TrainSpec, run
 
     spec = TrainSpec(model=args.model, out=args.out, data=args.data, heldout=args.heldout,

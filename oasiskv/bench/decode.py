@@ -11,23 +11,17 @@ lockstep). Prefill is reported separately.
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 
 import torch
 from tqdm.auto import tqdm
 
-from oasiskv.bench.common import (
-    agreement,
-    markdown_table,
-    parse_list,
-    unique_prompts,
-    write_json,
-)
+from oasiskv.bench.common import agreement, unique_prompts
 from oasiskv.bench.peers import load_hf, timed_generate
 from oasiskv.engine_args import engine_kwargs
 from oasiskv.llm import LLM
+from oasiskv.report import markdown_table, parse_list, platform_name, write_json
 from oasiskv.sampling_params import SamplingParams
 
 
@@ -135,7 +129,7 @@ def run_decode_bench(args: argparse.Namespace) -> list[dict]:
           "batch; ours: from the step when the last request has its first token, tokens that "
           "earlier requests decoded before it not counted; HF: from its first token); ratio = "
           "ours / HF; agreement = fraction of equal greedy tokens.")
-    write_json(args.json, {"bench": "decode", "machine": platform.processor() or platform.machine(),
+    write_json(args.json, {"bench": "decode", "machine": platform_name(),
                            "threads": torch.get_num_threads(), "output_len": args.output_len,
                            "rows": rows})
     return rows

@@ -15,8 +15,6 @@ intervals of the difference (ratio) to dense.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import re
 import shlex
 import sys
@@ -29,12 +27,7 @@ import torch
 from safetensors.torch import load
 from tqdm.auto import tqdm
 
-from oasiskv.bench.common import (
-    agreement,
-    markdown_table,
-    prefix_kv_files,
-    unique_prompts,
-)
+from oasiskv.bench.common import agreement, prefix_kv_files, unique_prompts
 from oasiskv.bench.pareto_plot import plot
 from oasiskv.bench.sparse_options import DEFAULT, parse_settings
 from oasiskv.bench.throughput import (
@@ -48,6 +41,7 @@ from oasiskv.bench.throughput import (
 from oasiskv.config import EngineConfig, SpecConfig
 from oasiskv.eval.fidelity import make_samples, run_samples, setting_engines, summarize
 from oasiskv.eval.metrics import paired_bootstrap_ci
+from oasiskv.report import machine, markdown_table, save_json
 
 MULTIPLE = re.compile(r"(\d+(?:\.\d+)?)x")  # a --concurrency level: a multiple of dense-max
 
@@ -79,17 +73,6 @@ def resolve(levels: list[int | str], capacity: int) -> dict[int, str]:
         else:
             out.setdefault(x, "")
     return dict(sorted(out.items()))
-
-
-def machine() -> str:
-    """The CPU's model name (or the platform's word for it) and the threads torch uses."""
-    try:
-        names = re.findall(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
-    except OSError:
-        names = []
-    cpu = names[0].strip() if names else platform.processor() or platform.machine()
-    threads = torch.get_num_threads()
-    return f"{cpu}, {threads} thread{'s' if threads > 1 else ''}"
 
 
 def command(args: argparse.Namespace) -> str:
@@ -204,11 +187,8 @@ def run_pareto_bench(args: argparse.Namespace) -> list[dict]:
               "model_size": size, "machine": machine(), "command": command(args), "complete": False,
               "throughput": [], "accuracy": [], "per_sample": {}, "rows": []}
 
-    def save() -> None:  # whole or not at all: a crash while writing keeps the last file
-        if args.json:
-            tmp = Path(args.json + ".partial")
-            tmp.write_text(json.dumps(result, indent=2, default=str))
-            tmp.replace(args.json)
+    def save() -> None:
+        save_json(args.json, result)
 
     with tempfile.TemporaryDirectory(prefix="oasiskv-pareto-") as tmp:
         cache_dir = Path(args.kv_cache_dir or tmp)

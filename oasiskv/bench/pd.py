@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -21,21 +20,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from oasiskv.bench.common import (
-    agreement,
-    markdown_table,
-    parse_list,
-    prefix_kv_files,
-    pyplot,
-    save_figure,
-    summary_label,
-    unique_prompts,
-    write_json,
-)
+from oasiskv.bench.common import agreement, prefix_kv_files, summary_label, unique_prompts
 from oasiskv.config import EngineConfig
 from oasiskv.disagg.handoff import TRANSFERS
 from oasiskv.disagg.pd import DisaggregatedLLM
 from oasiskv.engine.engine import LLMEngine
+from oasiskv.report import (
+    markdown_table,
+    parse_list,
+    platform_name,
+    pyplot,
+    save_figure,
+    write_json,
+)
 from oasiskv.sampling_params import SamplingParams
 
 REQUESTS = [("context", "context"), ("transfer", "transfer"), ("f_host", "f_host"),
@@ -171,7 +168,7 @@ def run_pd_bench(args: argparse.Namespace) -> list[dict]:
           f"{args.f_hbm}, summaries {summary_label(args.summary_dtype, args.dtype)}, "
           f"{args.requests} requests at once, "
           f"{args.output_len} greedy tokens each; store {store}; "
-          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}\n")
+          f"{torch.get_num_threads()} threads, {platform_name()}\n")
     print(markdown_table(rows, REQUESTS))
     print("\n### per setting\n")
     print(markdown_table(settings, SUMMARY))

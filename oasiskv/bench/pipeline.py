@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import platform
 import statistics
 import tempfile
 import time
@@ -33,20 +32,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import load
 
-from oasiskv.bench.common import (
-    markdown_table,
-    parse_f_hbms,
-    prefix_kv_files,
-    pyplot,
-    save_figure,
-    summary_label,
-    unique_prompts,
-    write_json,
-)
+from oasiskv.bench.common import prefix_kv_files, summary_label, unique_prompts
 from oasiskv.config import EngineConfig
 from oasiskv.disagg.mooncake import local_master
 from oasiskv.disagg.store_node import StoreNode
 from oasiskv.engine.engine import LLMEngine
+from oasiskv.report import (
+    markdown_table,
+    parse_f_hbms,
+    platform_name,
+    pyplot,
+    save_figure,
+    write_json,
+)
 from oasiskv.sampling_params import SamplingParams
 
 MODES = ("frozen", "sync", "async")
@@ -191,7 +189,7 @@ def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
           f"summaries {summary_label(args.summary_dtype, args.dtype)}, {store_label(args)}, "
           f"{args.steps} measured "
           f"decode steps after {args.warmup} warm-up; {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}\n")
+          f"{platform_name()}\n")
     print(markdown_table(rows, COLUMNS))
     print(f"\nx frozen = step time / the frozen run's of the same round (no prefetch once "
           f"seeded), median of {args.repeats} round(s); stall = share of the step the "

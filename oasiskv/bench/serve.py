@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from oasiskv.bench.common import markdown_table, unique_prompts
+from oasiskv.bench.common import unique_prompts
 from oasiskv.bench.serve_client import make_trace, run_trace, served_model
 from oasiskv.bench.serve_metrics import Slo, cell_metrics, distribution
 from oasiskv.bench.servers import (
@@ -36,6 +36,7 @@ from oasiskv.bench.servers import (
     server_command,
     start_server,
 )
+from oasiskv.report import markdown_table, save_json
 
 WARMUP_TOKENS = 4  # the untimed first request of each server: prefill and a few steps
 
@@ -153,10 +154,7 @@ class ServeBench:
             "complete": False}
 
     def save(self) -> None:
-        if self.args.json:  # whole or not at all: a crash while writing keeps the last file
-            tmp = Path(self.args.json + ".partial")
-            tmp.write_text(json.dumps(self.result, indent=2, default=str))
-            tmp.replace(self.args.json)
+        save_json(self.args.json, self.result)
 
     def prompts(self, tokenizer) -> None:
         """One pool, sliced: the warm-up prompt, the calibration prompts, then one slice of

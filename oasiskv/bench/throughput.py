@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import platform
 import sys
 import tempfile
 import time
@@ -34,20 +33,19 @@ import torch
 from safetensors.torch import load
 
 from oasiskv.bench.breakdown import breakdown_columns, breakdown_run, check_steps
-from oasiskv.bench.common import (
-    agreement,
-    markdown_table,
-    parse_list,
-    prefix_kv_files,
-    pyplot,
-    save_figure,
-    unique_prompts,
-    write_json,
-)
+from oasiskv.bench.common import agreement, prefix_kv_files, unique_prompts
 from oasiskv.bench.peers import ChildCrashed, RestartingPeer, hf_from_prefix, load_hf, parse_peers
 from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.models.registry import resolve_model
+from oasiskv.report import (
+    markdown_table,
+    parse_list,
+    platform_name,
+    pyplot,
+    save_figure,
+    write_json,
+)
 from oasiskv.sampling_params import SamplingParams
 
 
@@ -354,7 +352,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
           f"{args.device_kv_budget}, sparse K={args.top_k} f_hbm={args.f_hbm} {args.predictor}, "
           f"{args.output_len} greedy tokens per request, all requests arriving at once; "
           f"{args.repeats} run(s) of each mode per level, in rounds, the median-TPS run shown; "
-          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads, {platform_name()}, "
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s\n")
     errors = [r for r in rows if "error" in r]
     print(markdown_table(rows, COLUMNS + [("error", "error")] * bool(errors)))

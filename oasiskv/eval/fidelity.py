@@ -36,12 +36,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from oasiskv.bench.common import markdown_table, parse_f_hbms, parse_list, write_json
 from oasiskv.config import FORCED_DRAFTS, CacheConfig
 from oasiskv.data.austen import NOVELS, austen_text
 from oasiskv.data.passages import paragraph_prompt
 from oasiskv.eval.metrics import paired_bootstrap_ci
 from oasiskv.eval.tasks import NEEDLE_KINDS, make_task, score
+from oasiskv.report import markdown_table, parse_f_hbms, parse_list, write_json
 from oasiskv.sampling_params import SamplingParams
 
 TASKS = ("passkey", "needle", "ppl")

@@ -34,13 +34,13 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from oasiskv.bench.common import markdown_table, parse_list, pyplot, save_figure, write_json
 from oasiskv.config import CacheConfig, SpecConfig, head_dir
 from oasiskv.context import SeqAttention, set_context
 from oasiskv.data.austen import austen_text
 from oasiskv.data.passages import paragraph_prompt
 from oasiskv.engine.sequence import Sequence
 from oasiskv.eval.recall_probe import RecallProbe, RowKey, Totals, reranked
+from oasiskv.report import markdown_table, parse_list, pyplot, save_figure, write_json
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.spec.drafters import Drafter, chained_draft, make_drafter, sampling_weights
 

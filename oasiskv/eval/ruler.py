@@ -28,7 +28,6 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from oasiskv.bench.common import markdown_table, parse_list, write_json
 from oasiskv.eval.fidelity import run_samples, setting_engines, settings_from_args
 from oasiskv.eval.metrics import paired_bootstrap_ci
 from oasiskv.eval.ruler_gen import (
@@ -39,6 +38,7 @@ from oasiskv.eval.ruler_gen import (
     release,
     task_names,
 )
+from oasiskv.report import markdown_table, parse_list, write_json
 from oasiskv.sampling_params import SamplingParams
 
 __all__ = ["COUNT_AT", "postprocess", "score_prediction", "summarize", "run_ruler_eval"]
