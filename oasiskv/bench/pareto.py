@@ -27,10 +27,7 @@ import torch
 from safetensors.torch import load
 from tqdm.auto import tqdm
 
-from oasiskv.bench.common import agreement, prefix_kv_files, unique_prompts
-from oasiskv.bench.pareto_plot import plot
-from oasiskv.bench.sparse_options import DEFAULT, parse_settings
-from oasiskv.bench.throughput import (
+from oasiskv.bench.batch_runs import (
     DENSE_MAX,
     auto_host_budget,
     dense_capacity,
@@ -38,9 +35,13 @@ from oasiskv.bench.throughput import (
     parse_levels,
     run_mode,
 )
+from oasiskv.bench.common import agreement, prefix_kv_files, unique_prompts
+from oasiskv.bench.pareto_plot import plot
+from oasiskv.bench.sparse_options import DEFAULT, parse_settings
 from oasiskv.config import EngineConfig, SpecConfig
-from oasiskv.eval.fidelity import make_samples, run_samples, setting_engines, summarize
+from oasiskv.eval.fidelity import make_samples, run_samples, summarize
 from oasiskv.eval.metrics import paired_bootstrap_ci
+from oasiskv.eval.settings import setting_engines
 from oasiskv.report import machine, markdown_table, save_json
 
 MULTIPLE = re.compile(r"(\d+(?:\.\d+)?)x")  # a --concurrency level: a multiple of dense-max
@@ -271,10 +272,12 @@ def report(args: argparse.Namespace, result: dict) -> None:
           f"on LongBench v2); {result['machine']}; {result['command']}")
 
 
-def add_parser(bench: argparse._SubParsersAction) -> None:
-    """`bench pareto`'s flags, under `oasiskv bench`."""
-    p = bench.add_parser("pareto", help="accuracy against throughput: dense and each sparse "
-                         "configuration at one context and device budget, in one run")
+COMMANDS = {"pareto": ("accuracy against throughput: dense and each sparse "
+                       "configuration at one context and device budget, in one run")}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`bench pareto`'s flags."""
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--context", type=int, default=7168, help="prompt length in tokens")
     p.add_argument("--device-kv-budget", default="1GiB")
@@ -301,10 +304,9 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", help="write the figures here, as each cell completes")
     p.add_argument("--plot", help="write accuracy and perplexity ratio against TPS (PNG)")
-    p.set_defaults(func=_cmd)
 
 
-def _cmd(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     run_pareto_bench(args)
     return 0
 

@@ -303,10 +303,12 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     return result
 
 
-def add_parser(bench: argparse._SubParsersAction) -> None:
-    """`bench serve`'s flags, under `oasiskv bench`."""
-    p = bench.add_parser("serve", help="a serving benchmark over HTTP (vLLM's bench serve): "
-                         "request rates against servers started here or at --url")
+COMMANDS = {"serve": ("a serving benchmark over HTTP (vLLM's bench serve): "
+                      "request rates against servers started here or at --url")}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`bench serve`'s flags."""
     p.add_argument("--servers", default="dense,sparse,llama-server",
                    help=f"servers started here on loopback, one at a time: {', '.join(KINDS)}; "
                    "sparse:KEY=VAL,... sets CacheConfig fields (top_k=64,f_hbm=0.1)")
@@ -349,9 +351,8 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", default=None, help="keep each server's log here")
     p.add_argument("--json", help="write the figures here, as each cell completes")
     p.add_argument("--plot", help="write TPOT, TTFT and goodput against throughput (PNG)")
-    p.set_defaults(func=_cmd)
 
 
-def _cmd(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     run_serve_bench(args)
     return 0

@@ -10,7 +10,7 @@ from typing import Any
 
 from oasiskv.config import CacheConfig
 from oasiskv.engine_args import flag_type
-from oasiskv.eval.fidelity import Setting
+from oasiskv.eval.settings import Setting
 
 DEFAULT = "default"
 # fields one configuration may not set: every configuration shares them
