@@ -1,8 +1,8 @@
 """`oasiskv bench pareto`: accuracy against throughput for dense and each sparse
 configuration, one context, one device KV budget, in one run on the same prompts.
 
-Throughput (`bench/throughput.py`'s machinery): unique Austen prompts, prefilled once (K/V
-on disk, reused with --kv-cache-dir), decoded by each configuration at dense's maximum
+Throughput (`bench/batch_runs.py`, as `bench throughput`): unique Austen prompts, prefilled once
+(K/V on disk, reused with --kv-cache-dir), decoded by each configuration at dense's maximum
 concurrency (`dense-max`) and at multiples of it (`2x`), all requests arriving at once, in
 --repeats rounds; a cell is the median-TPS run: TPS, TPOT p50 / p99 over every gap between
 consecutive tokens of its requests, ms per decode step, device bytes per running request
