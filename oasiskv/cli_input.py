@@ -16,6 +16,16 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"oasiskv: error: {message} (see: {self.prog} --help)\n")
 
 
+def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of a command that runs one prompt (`generate`, `pd`): the prompt, how to wrap
+    it and how long and how greedily to answer."""
+    p.add_argument("--prompt", help="prompt text")
+    p.add_argument("--prompt-file", help="file whose contents are the prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+
+
 def read_prompt(args: argparse.Namespace) -> str:
     """--prompt TEXT, or the contents of --prompt-file: UTF-8 text, not empty."""
     if not args.prompt_file:

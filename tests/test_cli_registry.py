@@ -75,10 +75,26 @@ def test_the_registry_covers_every_command_module():
 
 
 def args_read(module) -> set[str]:
-    """The attributes the module's source reads off a name `args`."""
+    """The attributes the module's source reads off its parsed flags: `args.X`, `self.args.X`,
+    and `a.X` in a function where `a = args` or `a = self.args`."""
     tree = ast.parse(inspect.getsource(module))
-    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
-            and isinstance(n.value, ast.Name) and n.value.id == "args"}
+
+    def is_args(node: ast.expr) -> bool:
+        return ((isinstance(node, ast.Name) and node.id == "args")
+                or (isinstance(node, ast.Attribute) and node.attr == "args"))
+
+    read = set()
+    for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))]:
+        body = scope.body if scope is tree else [scope]
+        nodes = [n for b in body for n in ast.walk(b)]
+        if scope is tree:  # module level: outside the functions
+            nodes = [n for b in body if not isinstance(b, (ast.FunctionDef, ast.ClassDef))
+                     for n in ast.walk(b)]
+        aliases = {t.id for n in nodes if isinstance(n, ast.Assign) and is_args(n.value)
+                   for t in n.targets if isinstance(t, ast.Name)}
+        read |= {n.attr for n in nodes if isinstance(n, ast.Attribute) and (
+            is_args(n.value) or (isinstance(n.value, ast.Name) and n.value.id in aliases))}
+    return read
 
 
 def test_bench_modules_read_only_the_flags_they_define():

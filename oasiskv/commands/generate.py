@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from oasiskv.cli_input import read_prompt
+from oasiskv.cli_input import add_prompt_arguments, read_prompt
 from oasiskv.engine_args import add_engine_flags, engine_kwargs
 from oasiskv.report import markdown_table
 
@@ -16,11 +16,8 @@ COMMANDS = {"generate": "generate text for one prompt"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", help="prompt text")
-    p.add_argument("--prompt-file", help="file whose contents are the prompt")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    """`generate`'s flags: the prompt, sampling, reports, and every engine flag."""
+    add_prompt_arguments(p)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--sampling-top-k", type=int, default=-1,
                    help="sample from the k most likely tokens (-1: all); --top-k is the "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from oasiskv.cli_input import read_prompt
+from oasiskv.cli_input import add_prompt_arguments, read_prompt
 from oasiskv.disagg.handoff import TRANSFERS
 from oasiskv.engine_args import add_engine_flags, engine_kwargs
 
@@ -16,11 +16,8 @@ _MiB = 2**20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", help="prompt text")
-    p.add_argument("--prompt-file", help="file whose contents are the prompt")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    """`pd`'s flags: the prompt, the hand-over, `--serve`'s deployment, every engine flag."""
+    add_prompt_arguments(p)
     p.add_argument("--sampling-seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--transfer", default="partial", choices=TRANSFERS,

@@ -16,6 +16,7 @@ COMMANDS = {"train-drafter": "train an EAGLE-style draft head for a model "
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`train-drafter`'s flags: the data, the head and its training (TrainSpec's defaults)."""
     p.add_argument("--model", default="smollm2-135m",
                    help="model alias, HF directory or .gguf file")
     p.add_argument("--data", default="austen", help="training text: austen (the six novels)")
