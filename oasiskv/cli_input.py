@@ -16,21 +16,14 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"oasiskv: error: {message} (see: {self.prog} --help)\n")
 
 
-def flag_type(annotation: str | type) -> type:
-    """The type a flag (or a KEY=VAL option) of a config field with this annotation parses
-    its text with."""
-    # Fields are annotated like "int | None" (postponed annotations).
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
-    names = [n.strip() for n in text.split("|")]
-    if "str" in names:  # e.g. `int | str` sizes like 512MiB: the dataclass parses the text
-        return str
-    return {"int": int, "float": float, "bool": parse_bool}.get(names[0], str)
-
-
-def parse_bool(text: str) -> bool:
-    if text.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-        raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-    return text.lower() in ("1", "true", "yes", "on")
+def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of a command that runs one prompt (`generate`, `pd`): the prompt, how to wrap
+    it and how long and how greedily to answer."""
+    p.add_argument("--prompt", help="prompt text")
+    p.add_argument("--prompt-file", help="file whose contents are the prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
 
 
 def read_prompt(args: argparse.Namespace) -> str:

@@ -2,21 +2,26 @@
 
 `EngineConfig.from_kwargs` routes flat keywords (the `LLM(...)` call, the CLI flags) to the
 dataclass that owns each field, so every field is settable from Python and the command line
-under one name.
+under one name. Here: each field with its default and help text; the rules its values must
+meet (and the values a field takes): `config_checks.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from oasiskv.config_checks import check_device_present, check_field_types, parse_budget
+from oasiskv.config_checks import (
+    DTYPES,
+    check_cache,
+    check_device_present,
+    check_field_types,
+)
 from oasiskv.config_checks import parse_bytes as parse_bytes  # its home was here
 
 
@@ -93,17 +98,7 @@ def _field(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16}
-
-
-KV_MODES = ("dense", "sparse")
-PREDICTORS = ("lookahead", "previous", "exact", "oracle")
-RERANK_SOURCES = ("host", "int8", "int4")
-SCORE_AGGREGATIONS = ("sum", "softmax-sum", "softmax-max")
 CRITICAL_PATH = ("exact", "oracle")  # predictors that select for the step itself
-PREFETCH = ("async", "sync")
 DRAFTERS = ("self", "ngram", "resync", "model")
 HEAD_DRAFTERS = ("eagle", "resync-eagle")  # NAME:DIR runs a head made by `oasiskv train-drafter`
 
@@ -112,7 +107,6 @@ def head_dir(drafter: str) -> str | None:
     """DIR of a drafter that runs a trained head (`eagle:DIR`, `resync-eagle:DIR`), else None."""
     name, sep, path = drafter.partition(":")
     return path if sep and name in HEAD_DRAFTERS else None
-_REMOTE = re.compile(r"mooncake://[^\s:/]+:[0-9]{1,5}|inprocess://[A-Za-z0-9_.-]+")
 
 
 @dataclass
@@ -210,102 +204,11 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        self.device_kv_budget = parse_budget("device_kv_budget", self.device_kv_budget)
-        if self.device_kv_budget <= 0:
-            raise ValueError(f"device_kv_budget must be positive, got {self.device_kv_budget}")
-        self.host_kv_budget = parse_budget("host_kv_budget", self.host_kv_budget)
-        if self.host_kv_budget <= 0:
-            raise ValueError(f"host_kv_budget must be positive, got {self.host_kv_budget}")
-        if self.kv_mode not in KV_MODES:
-            raise ValueError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
-        if self.predictor not in PREDICTORS:
-            raise ValueError(f"predictor must be one of {PREDICTORS}, got {self.predictor!r}")
-        if self.top_k <= 0:
-            raise ValueError(f"top_k must be a positive number of blocks, got {self.top_k}")
-        if self.f_hbm != "auto":
-            try:
-                self.f_hbm = float(self.f_hbm)
-            except ValueError:
-                raise ValueError(f"f_hbm must be a fraction in (0, 1] or auto, "
-                                 f"got {self.f_hbm!r}") from None
-            if not 0 < self.f_hbm <= 1:
-                raise ValueError(f"f_hbm must be in (0, 1] or auto, got {self.f_hbm}")
-        if self.prefetch not in PREFETCH:
-            raise ValueError(f"prefetch must be one of {PREFETCH}, got {self.prefetch!r}")
-        if self.prefetch_group < 0:
-            raise ValueError(f"prefetch_group must be >= 0 (0: half the layers), "
-                             f"got {self.prefetch_group}")
-        for name in ("sink_blocks", "recent_blocks"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.sink_blocks + self.recent_blocks >= self.top_k:
-            raise ValueError(f"sink_blocks + recent_blocks ({self.sink_blocks} + "
-                             f"{self.recent_blocks}) must leave room in top_k ({self.top_k}) "
-                             "for selected blocks")
-        if self.dense_layers < 0:
-            raise ValueError(f"dense_layers must be >= 0 (0: every layer sparse), "
-                             f"got {self.dense_layers}")
-        if self.summary_dtype != "auto" and self.summary_dtype not in _DTYPES:
-            raise ValueError(f"summary_dtype {self.summary_dtype!r} is not auto or one of "
-                             f"{sorted(set(_DTYPES))}")
-        if self.score_alpha < 0:
-            raise ValueError(f"score_alpha must be >= 0, got {self.score_alpha}")
-        if self.score_aggregation not in SCORE_AGGREGATIONS:
-            raise ValueError(f"score_aggregation must be one of {SCORE_AGGREGATIONS}, "
-                             f"got {self.score_aggregation!r}")
-        if self.score_aggregation != "sum" and self.predictor == "oracle":
-            raise ValueError("score_aggregation combines summary scores; predictor=oracle has "
-                             "none (it ranks every block by attention already)")
-        s = self.summary_splits
-        if s < 1 or s & (s - 1) or s > self.block_size:
-            raise ValueError(f"summary_splits must be a power of two from 1 to block_size "
-                             f"({self.block_size}), got {s}")
-        if s > 1 and self.predictor == "oracle":
-            raise ValueError("summary_splits refines the block summaries; predictor=oracle has "
-                             "none (it ranks every block by attention already)")
-        if self.rerank != 0 and not self.rerank >= 1:
-            raise ValueError(f"rerank must be 0 (off) or >= 1 (candidates per top_k block), "
-                             f"got {self.rerank}")
-        if self.rerank_source not in RERANK_SOURCES:
-            raise ValueError(f"rerank_source must be one of {RERANK_SOURCES}, "
-                             f"got {self.rerank_source!r}")
-        if self.rerank_source == "int4" and self.block_size % 2:
-            raise ValueError(f"rerank_source='int4' packs two tokens' codes a byte: block_size "
-                             f"must be even, got {self.block_size}")
-        self._check_remote()
-
-    def _check_remote(self) -> None:
-        spec = self.remote_store
-        if spec not in ("none", "inprocess") and not _REMOTE.fullmatch(spec):
-            raise ValueError(f"remote_store must be none, inprocess, inprocess://NAME or "
-                             f"mooncake://HOST:PORT, got {spec!r}")
-        if spec != "none" and self.kv_mode != "sparse":
-            raise ValueError(f"remote_store={spec!r} needs kv_mode=sparse (the remote tier "
-                             "sits under the sparse mode's host tier)")
-        if spec != "none" and self.predictor == "oracle":
-            raise ValueError("predictor=oracle reads every key of the host tier, which holds "
-                             f"only part of the history with remote_store={spec!r}")
-        if spec != "none" and self.reranks and self.rerank_source == "host":
-            raise ValueError("rerank_source=host reads the candidates' keys from the host tier, "
-                             f"which holds only part of the history with remote_store={spec!r}: "
-                             "use the device's key copy (rerank_source=int8 or int4)")
-        if spec != "none" and self.dense_layers:
-            raise ValueError("dense_layers with remote_store is not supported yet (the dense "
-                             "layers' device copy is indexed by host blocks, which a remote "
-                             "store's host caches evict)")
-        if parse_budget("remote_lend", self.remote_lend) < 0:
-            raise ValueError(f"remote_lend must be >= 0 bytes, got {self.remote_lend!r}")
-        if not 0 < self.f_host <= 1:
-            raise ValueError(f"f_host must be in (0, 1], got {self.f_host}")
-        if self.f_host < 1 and spec == "none":
-            raise ValueError(f"f_host={self.f_host} < 1 needs a remote store to fetch evicted "
-                             "blocks from: set remote_store (inprocess or mooncake://HOST:PORT)")
+        check_cache(self)
 
     def summary_torch_dtype(self, kv_dtype: torch.dtype) -> torch.dtype:
         if self.summary_dtype != "auto":
-            return _DTYPES[self.summary_dtype]
+            return DTYPES[self.summary_dtype]
         # float32 summaries double what scoring reads for bounds that bf16 ones, rounded
         # outward, keep as well (fidelity at 4K and 7K tokens: no measured difference)
         return torch.bfloat16 if kv_dtype == torch.float32 else kv_dtype
@@ -419,8 +322,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(set(_DTYPES))}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(set(DTYPES))}")
         try:
             device = torch.device(self.device)
         except RuntimeError as e:
@@ -434,7 +337,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     @classmethod
     def sections(cls) -> dict[str, type]:

@@ -1,11 +1,12 @@
 """Checks every config dataclass shares: values of their fields' annotated types, finite
-floats, byte sizes read from text, and a device this machine has.
+floats, byte sizes read from text, and a device this machine has; and CacheConfig's own rules
+(`check_cache`), with the values its fields take.
 
 A wrongly typed value is refused, not coerced (`top_k="32"`, `max_num_seqs=2.5`,
 `prefault_kv=1`). The command line parses numbers from text before they get here
-(`cli_input.flag_type` derives each flag's type from the same annotations), so only the Python API
-can hand in a wrong type. Fields annotated with `str` beside a number (byte budgets,
-`f_hbm="auto"`) keep taking text, which their own `__post_init__` parses.
+(`engine_args.flag_type` derives each flag's type from the same annotations), so only the
+Python API can hand in a wrong type. Fields annotated with `str` beside a number (byte
+budgets, `f_hbm="auto"`) keep taking text, which their own `__post_init__` parses.
 """
 
 from __future__ import annotations
@@ -100,3 +101,112 @@ def check_device_present(device: torch.device) -> None:
     if device.index is not None and device.index >= count:
         raise ValueError(f"device {str(device)!r}: this machine has {count} {device.type} "
                          f"device(s), indices 0 to {count - 1}")
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16}
+KV_MODES = ("dense", "sparse")
+PREDICTORS = ("lookahead", "previous", "exact", "oracle")
+RERANK_SOURCES = ("host", "int8", "int4")
+SCORE_AGGREGATIONS = ("sum", "softmax-sum", "softmax-max")
+PREFETCH = ("async", "sync")
+_REMOTE = re.compile(r"mooncake://[^\s:/]+:[0-9]{1,5}|inprocess://[A-Za-z0-9_.-]+")
+
+
+def check_cache(c: Any) -> None:
+    """A CacheConfig's rules, each broken one a ValueError naming the field; parses the byte
+    budgets and a numeric f_hbm in place."""
+    if c.block_size <= 0 or c.block_size & (c.block_size - 1):
+        raise ValueError(f"block_size must be a positive power of two, got {c.block_size}")
+    c.device_kv_budget = parse_budget("device_kv_budget", c.device_kv_budget)
+    if c.device_kv_budget <= 0:
+        raise ValueError(f"device_kv_budget must be positive, got {c.device_kv_budget}")
+    c.host_kv_budget = parse_budget("host_kv_budget", c.host_kv_budget)
+    if c.host_kv_budget <= 0:
+        raise ValueError(f"host_kv_budget must be positive, got {c.host_kv_budget}")
+    if c.kv_mode not in KV_MODES:
+        raise ValueError(f"kv_mode must be one of {KV_MODES}, got {c.kv_mode!r}")
+    if c.predictor not in PREDICTORS:
+        raise ValueError(f"predictor must be one of {PREDICTORS}, got {c.predictor!r}")
+    if c.top_k <= 0:
+        raise ValueError(f"top_k must be a positive number of blocks, got {c.top_k}")
+    if c.f_hbm != "auto":
+        try:
+            c.f_hbm = float(c.f_hbm)
+        except ValueError:
+            raise ValueError(f"f_hbm must be a fraction in (0, 1] or auto, "
+                             f"got {c.f_hbm!r}") from None
+        if not 0 < c.f_hbm <= 1:
+            raise ValueError(f"f_hbm must be in (0, 1] or auto, got {c.f_hbm}")
+    if c.prefetch not in PREFETCH:
+        raise ValueError(f"prefetch must be one of {PREFETCH}, got {c.prefetch!r}")
+    if c.prefetch_group < 0:
+        raise ValueError(f"prefetch_group must be >= 0 (0: half the layers), "
+                         f"got {c.prefetch_group}")
+    for name in ("sink_blocks", "recent_blocks"):
+        if getattr(c, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(c, name)}")
+    if c.sink_blocks + c.recent_blocks >= c.top_k:
+        raise ValueError(f"sink_blocks + recent_blocks ({c.sink_blocks} + "
+                         f"{c.recent_blocks}) must leave room in top_k ({c.top_k}) "
+                         "for selected blocks")
+    if c.dense_layers < 0:
+        raise ValueError(f"dense_layers must be >= 0 (0: every layer sparse), "
+                         f"got {c.dense_layers}")
+    if c.summary_dtype != "auto" and c.summary_dtype not in DTYPES:
+        raise ValueError(f"summary_dtype {c.summary_dtype!r} is not auto or one of "
+                         f"{sorted(set(DTYPES))}")
+    if c.score_alpha < 0:
+        raise ValueError(f"score_alpha must be >= 0, got {c.score_alpha}")
+    if c.score_aggregation not in SCORE_AGGREGATIONS:
+        raise ValueError(f"score_aggregation must be one of {SCORE_AGGREGATIONS}, "
+                         f"got {c.score_aggregation!r}")
+    if c.score_aggregation != "sum" and c.predictor == "oracle":
+        raise ValueError("score_aggregation combines summary scores; predictor=oracle has "
+                         "none (it ranks every block by attention already)")
+    s = c.summary_splits
+    if s < 1 or s & (s - 1) or s > c.block_size:
+        raise ValueError(f"summary_splits must be a power of two from 1 to block_size "
+                         f"({c.block_size}), got {s}")
+    if s > 1 and c.predictor == "oracle":
+        raise ValueError("summary_splits refines the block summaries; predictor=oracle has "
+                         "none (it ranks every block by attention already)")
+    if c.rerank != 0 and not c.rerank >= 1:
+        raise ValueError(f"rerank must be 0 (off) or >= 1 (candidates per top_k block), "
+                         f"got {c.rerank}")
+    if c.rerank_source not in RERANK_SOURCES:
+        raise ValueError(f"rerank_source must be one of {RERANK_SOURCES}, "
+                         f"got {c.rerank_source!r}")
+    if c.rerank_source == "int4" and c.block_size % 2:
+        raise ValueError(f"rerank_source='int4' packs two tokens' codes a byte: block_size "
+                         f"must be even, got {c.block_size}")
+    _check_remote(c)
+
+
+def _check_remote(c: Any) -> None:
+    spec = c.remote_store
+    if spec not in ("none", "inprocess") and not _REMOTE.fullmatch(spec):
+        raise ValueError(f"remote_store must be none, inprocess, inprocess://NAME or "
+                         f"mooncake://HOST:PORT, got {spec!r}")
+    if spec != "none" and c.kv_mode != "sparse":
+        raise ValueError(f"remote_store={spec!r} needs kv_mode=sparse (the remote tier "
+                         "sits under the sparse mode's host tier)")
+    if spec != "none" and c.predictor == "oracle":
+        raise ValueError("predictor=oracle reads every key of the host tier, which holds "
+                         f"only part of the history with remote_store={spec!r}")
+    if spec != "none" and c.reranks and c.rerank_source == "host":
+        raise ValueError("rerank_source=host reads the candidates' keys from the host tier, "
+                         f"which holds only part of the history with remote_store={spec!r}: "
+                         "use the device's key copy (rerank_source=int8 or int4)")
+    if spec != "none" and c.dense_layers:
+        raise ValueError("dense_layers with remote_store is not supported yet (the dense "
+                         "layers' device copy is indexed by host blocks, which a remote "
+                         "store's host caches evict)")
+    if parse_budget("remote_lend", c.remote_lend) < 0:
+        raise ValueError(f"remote_lend must be >= 0 bytes, got {c.remote_lend!r}")
+    if not 0 < c.f_host <= 1:
+        raise ValueError(f"f_host must be in (0, 1], got {c.f_host}")
+    if c.f_host < 1 and spec == "none":
+        raise ValueError(f"f_host={c.f_host} < 1 needs a remote store to fetch evicted "
+                         "blocks from: set remote_store (inprocess or mooncake://HOST:PORT)")

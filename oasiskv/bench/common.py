@@ -1,9 +1,9 @@
-"""What every benchmark shares: prompts from real text, tables, JSON."""
+"""What every benchmark shares: prompts from real text and their prefilled K/V, greedy
+agreement (tables, JSON and plots: `oasiskv/report.py`)."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import random
 import time
@@ -19,21 +19,12 @@ from oasiskv.models.registry import resolve_model
 log = logging.getLogger(__name__)
 
 
-def parse_list(text: str, kind: type = int) -> list:
-    return [kind(x) for x in str(text).split(",") if x.strip()]
-
-
 def summary_label(summary_dtype: str, dtype: str) -> str:
     """The summaries' dtype as asked and, for auto, as an engine with `dtype` K/V keeps them:
     "auto (bfloat16)"."""
     kept = CacheConfig(summary_dtype=summary_dtype).summary_torch_dtype(getattr(torch, dtype))
     name = str(kept).removeprefix("torch.")
     return name if name == summary_dtype else f"{summary_dtype} ({name})"
-
-
-def parse_f_hbms(text: str) -> list[float | str]:
-    """"0.05,1.0,auto" -> [0.05, 1.0, "auto"]."""
-    return [f if f == "auto" else float(f) for f in parse_list(text, str)]
 
 
 def long_text() -> tuple[str, str]:
@@ -92,44 +83,9 @@ def prefix_kv_files(engine, prompts: list[list[int]], cache_dir: Path,
     return files, seconds
 
 
-def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
-    """columns: (key, header). Floats get 3 significant digits; a "|" inside a header or cell
-    is escaped, so it cannot split the column."""
-    def fmt(v: object) -> str:
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-        return "" if v is None else str(v).replace("|", "\\|")
-
-    head = "| " + " | ".join(fmt(h) for _, h in columns) + " |"
-    sep = "|" + "|".join("---" for _ in columns) + "|"
-    body = ["| " + " | ".join(fmt(r.get(k)) for k, _ in columns) + " |" for r in rows]
-    return "\n".join([head, sep, *body])
-
-
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Share of positions where two sets of generated token lists agree."""
     pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=False)]
     return sum(x == y for x, y in pairs) / max(len(pairs), 1)
 
 
-def write_json(path: str | None, payload: dict) -> None:
-    if path:
-        Path(path).write_text(json.dumps(payload, indent=2, default=str))
-        print(f"wrote {path}")
-
-
-def pyplot():
-    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, path: str) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    pyplot().close(fig)
-    print(f"wrote {path}")

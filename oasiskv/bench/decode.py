@@ -11,23 +11,17 @@ lockstep). Prefill is reported separately.
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 
 import torch
 from tqdm.auto import tqdm
 
-from oasiskv.bench.common import (
-    agreement,
-    markdown_table,
-    parse_list,
-    unique_prompts,
-    write_json,
-)
+from oasiskv.bench.common import agreement, unique_prompts
 from oasiskv.bench.peers import load_hf, timed_generate
-from oasiskv.cli import engine_kwargs
+from oasiskv.engine_args import add_engine_flags, engine_kwargs
 from oasiskv.llm import LLM
+from oasiskv.report import markdown_table, parse_list, platform_name, write_json
 from oasiskv.sampling_params import SamplingParams
 
 
@@ -135,7 +129,7 @@ def run_decode_bench(args: argparse.Namespace) -> list[dict]:
           "batch; ours: from the step when the last request has its first token, tokens that "
           "earlier requests decoded before it not counted; HF: from its first token); ratio = "
           "ours / HF; agreement = fraction of equal greedy tokens.")
-    write_json(args.json, {"bench": "decode", "machine": platform.processor() or platform.machine(),
+    write_json(args.json, {"bench": "decode", "machine": platform_name(),
                            "threads": torch.get_num_threads(), "output_len": args.output_len,
                            "rows": rows})
     return rows
@@ -145,3 +139,21 @@ _COLUMNS = [("context", "context"), ("batch", "batch"), ("ours_tok_s", "ours tok
             ("hf_tok_s", "HF tok/s"), ("ratio", "ratio"), ("ours_tpot_ms", "ours TPOT ms"),
             ("hf_tpot_ms", "HF TPOT ms"), ("ours_prefill_s", "ours prefill s"),
             ("hf_prefill_s", "HF prefill s"), ("greedy_agreement", "agreement")]
+
+
+COMMANDS = {"decode": "our dense decode vs HF transformers generate"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`bench decode`'s flags: the prompts, batches and every engine flag."""
+    p.add_argument("--context", default="4096", help="prompt lengths, comma-separated")
+    p.add_argument("--batch", default="1,8", help="batch sizes, comma-separated")
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    p.add_argument("--json", help="write the figures to this file")
+    add_engine_flags(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    run_decode_bench(args)
+    return 0

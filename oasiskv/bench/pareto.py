@@ -1,8 +1,8 @@
 """`oasiskv bench pareto`: accuracy against throughput for dense and each sparse
 configuration, one context, one device KV budget, in one run on the same prompts.
 
-Throughput (`bench/throughput.py`'s machinery): unique Austen prompts, prefilled once (K/V
-on disk, reused with --kv-cache-dir), decoded by each configuration at dense's maximum
+Throughput (`bench/batch_runs.py`, as `bench throughput`): unique Austen prompts, prefilled once
+(K/V on disk, reused with --kv-cache-dir), decoded by each configuration at dense's maximum
 concurrency (`dense-max`) and at multiples of it (`2x`), all requests arriving at once, in
 --repeats rounds; a cell is the median-TPS run: TPS, TPOT p50 / p99 over every gap between
 consecutive tokens of its requests, ms per decode step, device bytes per running request
@@ -15,8 +15,6 @@ intervals of the difference (ratio) to dense.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import re
 import shlex
 import sys
@@ -29,15 +27,7 @@ import torch
 from safetensors.torch import load
 from tqdm.auto import tqdm
 
-from oasiskv.bench.common import (
-    agreement,
-    markdown_table,
-    prefix_kv_files,
-    unique_prompts,
-)
-from oasiskv.bench.pareto_plot import plot
-from oasiskv.bench.sparse_options import DEFAULT, parse_settings
-from oasiskv.bench.throughput import (
+from oasiskv.bench.batch_runs import (
     DENSE_MAX,
     auto_host_budget,
     dense_capacity,
@@ -45,9 +35,14 @@ from oasiskv.bench.throughput import (
     parse_levels,
     run_mode,
 )
+from oasiskv.bench.common import agreement, prefix_kv_files, unique_prompts
+from oasiskv.bench.pareto_plot import plot
+from oasiskv.bench.sparse_options import DEFAULT, parse_settings
 from oasiskv.config import EngineConfig, SpecConfig
-from oasiskv.eval.fidelity import make_samples, run_samples, setting_engines, summarize
+from oasiskv.eval.fidelity import make_samples, run_samples, summarize
 from oasiskv.eval.metrics import paired_bootstrap_ci
+from oasiskv.eval.settings import setting_engines
+from oasiskv.report import machine, markdown_table, save_json
 
 MULTIPLE = re.compile(r"(\d+(?:\.\d+)?)x")  # a --concurrency level: a multiple of dense-max
 
@@ -79,17 +74,6 @@ def resolve(levels: list[int | str], capacity: int) -> dict[int, str]:
         else:
             out.setdefault(x, "")
     return dict(sorted(out.items()))
-
-
-def machine() -> str:
-    """The CPU's model name (or the platform's word for it) and the threads torch uses."""
-    try:
-        names = re.findall(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
-    except OSError:
-        names = []
-    cpu = names[0].strip() if names else platform.processor() or platform.machine()
-    threads = torch.get_num_threads()
-    return f"{cpu}, {threads} thread{'s' if threads > 1 else ''}"
 
 
 def command(args: argparse.Namespace) -> str:
@@ -204,11 +188,8 @@ def run_pareto_bench(args: argparse.Namespace) -> list[dict]:
               "model_size": size, "machine": machine(), "command": command(args), "complete": False,
               "throughput": [], "accuracy": [], "per_sample": {}, "rows": []}
 
-    def save() -> None:  # whole or not at all: a crash while writing keeps the last file
-        if args.json:
-            tmp = Path(args.json + ".partial")
-            tmp.write_text(json.dumps(result, indent=2, default=str))
-            tmp.replace(args.json)
+    def save() -> None:
+        save_json(args.json, result)
 
     with tempfile.TemporaryDirectory(prefix="oasiskv-pareto-") as tmp:
         cache_dir = Path(args.kv_cache_dir or tmp)
@@ -291,10 +272,12 @@ def report(args: argparse.Namespace, result: dict) -> None:
           f"on LongBench v2); {result['machine']}; {result['command']}")
 
 
-def add_parser(bench: argparse._SubParsersAction) -> None:
-    """`bench pareto`'s flags, under `oasiskv bench`."""
-    p = bench.add_parser("pareto", help="accuracy against throughput: dense and each sparse "
-                         "configuration at one context and device budget, in one run")
+COMMANDS = {"pareto": ("accuracy against throughput: dense and each sparse "
+                       "configuration at one context and device budget, in one run")}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`bench pareto`'s flags."""
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--context", type=int, default=7168, help="prompt length in tokens")
     p.add_argument("--device-kv-budget", default="1GiB")
@@ -321,10 +304,9 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", help="write the figures here, as each cell completes")
     p.add_argument("--plot", help="write accuracy and perplexity ratio against TPS (PNG)")
-    p.set_defaults(func=_cmd)
 
 
-def _cmd(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     run_pareto_bench(args)
     return 0
 

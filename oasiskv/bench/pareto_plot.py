@@ -3,7 +3,7 @@ against TPS, one line per configuration through its concurrency levels, dense ma
 
 from __future__ import annotations
 
-from oasiskv.bench.common import pyplot, save_figure
+from oasiskv.report import pyplot, save_figure
 
 MARKERS = "osD^v<>px"
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -21,21 +20,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from oasiskv.bench.common import (
-    agreement,
-    markdown_table,
-    parse_list,
-    prefix_kv_files,
-    pyplot,
-    save_figure,
-    summary_label,
-    unique_prompts,
-    write_json,
-)
+from oasiskv.bench.common import agreement, prefix_kv_files, summary_label, unique_prompts
 from oasiskv.config import EngineConfig
 from oasiskv.disagg.pd import DisaggregatedLLM
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.kv.handoff import TRANSFERS
+from oasiskv.report import (
+    markdown_table,
+    parse_list,
+    platform_name,
+    pyplot,
+    save_figure,
+    write_json,
+)
 from oasiskv.sampling_params import SamplingParams
 
 REQUESTS = [("context", "context"), ("transfer", "transfer"), ("f_host", "f_host"),
@@ -171,7 +168,7 @@ def run_pd_bench(args: argparse.Namespace) -> list[dict]:
           f"{args.f_hbm}, summaries {summary_label(args.summary_dtype, args.dtype)}, "
           f"{args.requests} requests at once, "
           f"{args.output_len} greedy tokens each; store {store}; "
-          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}\n")
+          f"{torch.get_num_threads()} threads, {platform_name()}\n")
     print(markdown_table(rows, REQUESTS))
     print("\n### per setting\n")
     print(markdown_table(settings, SUMMARY))
@@ -192,3 +189,38 @@ def run_pd_bench(args: argparse.Namespace) -> list[dict]:
     if args.plot:
         plot(settings, args.plot, f"{args.model}: store reads per decode step, K={args.top_k}")
     return settings
+
+
+COMMANDS = {"pd": ("prefill-decode disaggregation: partial, slab and full "
+                   "transfer, per decode-host residency f_host")}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`bench pd`'s flags."""
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--context", default="4096,7168", help="prompt lengths in tokens")
+    p.add_argument("--requests", type=int, default=4, help="requests arriving at once")
+    p.add_argument("--transfer", default=",".join(TRANSFERS))
+    p.add_argument("--f-host", default="0.2,1.0", help="decode-host residency ratios")
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=32)
+    p.add_argument("--f-hbm", default="0.05")
+    p.add_argument("--device-kv-budget", default="1GiB")
+    p.add_argument("--host-kv-budget", default="8GiB", help="per worker")
+    p.add_argument("--remote-store", default=None,
+                   help="mooncake://HOST:PORT: the prefill worker in its own process over a "
+                   "Mooncake master there (default: both workers here, an in-process store)")
+    p.add_argument("--kv-cache-dir", default=None,
+                   help="keep the prompts' computed K/V here and reuse it in later runs")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--summary-dtype", default="auto",
+                   help="block summaries: auto (bfloat16 for float32 K/V, else the KV dtype), "
+                   "float32, float16 or bfloat16 (half the bytes a hand-over sends for them)")
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--json", help="write the figures to this file")
+    p.add_argument("--plot", help="write the store-read bandwidth timeline (PNG)")
+
+
+def run(args: argparse.Namespace) -> int:
+    run_pd_bench(args)
+    return 0

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import platform
 import statistics
 import tempfile
 import time
@@ -33,18 +32,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load
 
-from oasiskv.bench.common import (
-    markdown_table,
-    parse_f_hbms,
-    prefix_kv_files,
-    pyplot,
-    save_figure,
-    summary_label,
-    unique_prompts,
-    write_json,
-)
+from oasiskv.bench.common import prefix_kv_files, summary_label, unique_prompts
 from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
+from oasiskv.report import (
+    markdown_table,
+    parse_f_hbms,
+    platform_name,
+    pyplot,
+    save_figure,
+    write_json,
+)
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.store.mooncake import local_master
 from oasiskv.store.store_node import StoreNode
@@ -191,7 +189,7 @@ def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
           f"summaries {summary_label(args.summary_dtype, args.dtype)}, {store_label(args)}, "
           f"{args.steps} measured "
           f"decode steps after {args.warmup} warm-up; {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}\n")
+          f"{platform_name()}\n")
     print(markdown_table(rows, COLUMNS))
     print(f"\nx frozen = step time / the frozen run's of the same round (no prefetch once "
           f"seeded), median of {args.repeats} round(s); stall = share of the step the "
@@ -212,3 +210,47 @@ def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
                                   "" if args.remote_store == "none" else
                                   f"\nremote store {args.remote_store}, f_host={args.f_host:g}"))
     return rows
+
+
+COMMANDS = {"pipeline": "prefetch: frozen vs sync vs async, per f_hbm"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`bench pipeline`'s flags."""
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--context", type=int, default=6144, help="prompt length in tokens")
+    p.add_argument("--batch", type=int, default=8, help="requests decoding together")
+    p.add_argument("--top-k", type=int, default=32)
+    p.add_argument("--predictor", default="lookahead", choices=("lookahead", "previous"))
+    p.add_argument("--drafter", default="resync", help="lookahead's drafter")
+    p.add_argument("--f-hbm", default="0.02,0.05,0.1,1.0,auto",
+                   help="admission caps to compare (fractions of K, or auto)")
+    p.add_argument("--steps", type=int, default=16, help="measured decode steps")
+    p.add_argument("--warmup", type=int, default=3, help="decode steps before measuring")
+    p.add_argument("--trace", help="Chrome trace of the async run at the first f_hbm")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of the three modes per f_hbm (median shown, every round's "
+                   "ratio to frozen listed)")
+    p.add_argument("--kv-cache-dir", default=None,
+                   help="keep the prompts' computed K/V here and reuse it in later runs "
+                   "(default: a temporary directory)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--summary-dtype", default="auto",
+                   help="block summaries: auto (bfloat16 for float32 K/V, else the KV "
+                   "dtype), float32, float16 or bfloat16 (half the bytes the predict stage "
+                   "reads in a float32 run)")
+    p.add_argument("--remote-store", default="none",
+                   help="the tier under the host: none (the host holds every block), "
+                   "inprocess, mooncake (a master and a storage node process started here, "
+                   "reads cross Mooncake's TCP transport) or mooncake://HOST:PORT")
+    p.add_argument("--f-host", type=float, default=1.0,
+                   help="with a remote store: share of each prompt's blocks the host keeps; "
+                   "the remote fetch stage reads the rest when predicted")
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--json", help="write the figures to this file")
+    p.add_argument("--plot", help="write a bar plot (PNG) of step time per f_hbm and mode")
+
+
+def run(args: argparse.Namespace) -> int:
+    run_pipeline_bench(args)
+    return 0

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from oasiskv.bench.common import markdown_table, unique_prompts
+from oasiskv.bench.common import unique_prompts
 from oasiskv.bench.serve_client import make_trace, run_trace, served_model
 from oasiskv.bench.serve_metrics import Slo, cell_metrics, distribution
 from oasiskv.bench.servers import (
@@ -36,6 +36,7 @@ from oasiskv.bench.servers import (
     server_command,
     start_server,
 )
+from oasiskv.report import markdown_table, save_json
 
 WARMUP_TOKENS = 4  # the untimed first request of each server: prefill and a few steps
 
@@ -153,10 +154,7 @@ class ServeBench:
             "complete": False}
 
     def save(self) -> None:
-        if self.args.json:  # whole or not at all: a crash while writing keeps the last file
-            tmp = Path(self.args.json + ".partial")
-            tmp.write_text(json.dumps(self.result, indent=2, default=str))
-            tmp.replace(self.args.json)
+        save_json(self.args.json, self.result)
 
     def prompts(self, tokenizer) -> None:
         """One pool, sliced: the warm-up prompt, the calibration prompts, then one slice of
@@ -305,10 +303,12 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     return result
 
 
-def add_parser(bench: argparse._SubParsersAction) -> None:
-    """`bench serve`'s flags, under `oasiskv bench`."""
-    p = bench.add_parser("serve", help="a serving benchmark over HTTP (vLLM's bench serve): "
-                         "request rates against servers started here or at --url")
+COMMANDS = {"serve": ("a serving benchmark over HTTP (vLLM's bench serve): "
+                      "request rates against servers started here or at --url")}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`bench serve`'s flags."""
     p.add_argument("--servers", default="dense,sparse,llama-server",
                    help=f"servers started here on loopback, one at a time: {', '.join(KINDS)}; "
                    "sparse:KEY=VAL,... sets CacheConfig fields (top_k=64,f_hbm=0.1)")
@@ -351,9 +351,8 @@ def add_parser(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", default=None, help="keep each server's log here")
     p.add_argument("--json", help="write the figures here, as each cell completes")
     p.add_argument("--plot", help="write TPOT, TTFT and goodput against throughput (PNG)")
-    p.set_defaults(func=_cmd)
 
 
-def _cmd(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     run_serve_bench(args)
     return 0

@@ -4,7 +4,7 @@ rate of inf has no place on a rate axis; what the server delivered does)."""
 
 from __future__ import annotations
 
-from oasiskv.bench.common import pyplot, save_figure
+from oasiskv.report import pyplot, save_figure
 
 
 def plot(cells: list[dict], path: str, title: str, slo_tpot_ms: float | None = None) -> None:

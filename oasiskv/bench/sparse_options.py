@@ -8,9 +8,9 @@ import argparse
 import dataclasses
 from typing import Any
 
-from oasiskv.cli_input import flag_type
 from oasiskv.config import CacheConfig
-from oasiskv.eval.fidelity import Setting
+from oasiskv.engine_args import flag_type
+from oasiskv.eval.settings import Setting
 
 DEFAULT = "default"
 # fields one configuration may not set: every configuration shares them

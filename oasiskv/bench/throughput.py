@@ -22,143 +22,37 @@ per step in attention, linear layers, sparse selection and the rest beside the r
 from __future__ import annotations
 
 import argparse
-import itertools
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.torch import load
 
-from oasiskv.bench.breakdown import breakdown_columns, breakdown_run, check_steps
-from oasiskv.bench.common import (
-    agreement,
-    markdown_table,
-    parse_list,
-    prefix_kv_files,
-    pyplot,
-    save_figure,
-    unique_prompts,
-    write_json,
+from oasiskv.bench.batch_runs import (
+    DENSE_MAX,
+    auto_host_budget,
+    dense_capacity,
+    median_run,
+    parse_levels,
+    read_bandwidth,
+    resolve_levels,
+    run_mode,
 )
+from oasiskv.bench.breakdown import breakdown_columns, breakdown_run, check_steps
+from oasiskv.bench.common import agreement, prefix_kv_files, unique_prompts
 from oasiskv.bench.peers import ChildCrashed, RestartingPeer, hf_from_prefix, load_hf, parse_peers
-from oasiskv.config import EngineConfig
+from oasiskv.config import CacheConfig, EngineConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.models.registry import resolve_model
-from oasiskv.sampling_params import SamplingParams
-
-
-def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
-    """Bytes/s of a large streaming read (a sum over a tensor far larger than the caches)."""
-    x = torch.ones(mib * 2**20 // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best
-
-
-DENSE_MAX = "dense-max"  # --concurrency level: the most requests dense holds at that context
-
-
-def dense_capacity(config: EngineConfig, kv_per_token: int, context: int,
-                   output_len: int) -> int:
-    """Requests of `context` + `output_len` tokens whose whole K/V fits the device budget at
-    once (the engine's block pool: budget // block bytes): the most that dense decodes
-    together without queueing or preemption."""
-    block = config.cache.block_size
-    blocks = config.cache.device_kv_budget // (kv_per_token * block)
-    return blocks // -(-(context + output_len) // block)
-
-
-def parse_levels(text: str) -> list[int | str]:
-    """"1,4,dense-max" -> [1, 4, "dense-max"]."""
-    levels = [x.strip() for x in str(text).split(",") if x.strip()]
-    bad = [x for x in levels if x != DENSE_MAX and not (x.isdigit() and int(x) > 0)]
-    if bad or not levels:
-        raise ValueError(f"--concurrency takes positive integers and {DENSE_MAX}, got {text!r}")
-    return [x if x == DENSE_MAX else int(x) for x in levels]
-
-
-def resolve_levels(levels: list[int | str], capacity: int) -> list[int]:
-    """One context's levels, dense-max resolved to `capacity`, ascending, without repeats."""
-    return sorted({capacity if x == DENSE_MAX else x for x in levels})
-
-
-def auto_host_budget(requests: int, context: int, output_len: int, block: int,
-                     kv_per_token: int) -> int:
-    """Sparse host tier bytes for `requests` whole histories, with a tenth to spare."""
-    return int(1.1 * requests * (-(-(context + output_len) // block) + 1) * block
-               * kv_per_token)
-
-
-def run_mode(kwargs: dict, prompts: list[list[int]], kv_files: list[Path],
-             output_len: int) -> dict:
-    engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    # in memory before the clock starts, as the peers' prompt K/V are (a file's tensors are
-    # mapped lazily: their disk reads would count as our engine's time to first token)
-    prefixes = [load(f.read_bytes())["kv"] for f in kv_files]
-    t0 = time.perf_counter()
-    ids = [engine.add_request(p, params, prefix_kv=kv)
-           for p, kv in zip(prompts, prefixes, strict=True)]
-    seqs = [engine.requests[i] for i in ids]
-    start = len(engine.step_log)
-    token_times: list[list[float]] = [[] for _ in seqs]  # when each output token came out
-    while engine.has_unfinished():
-        engine.step()
-        now = time.perf_counter()
-        for times, s in zip(token_times, seqs, strict=True):
-            times += [now] * (s.num_output_tokens - len(times))
-    wall = time.perf_counter() - t0
-    log = list(engine.step_log)[start:]
-    decode_steps = [e for e in log if e["decode_tokens"]]
-    stats = engine.stats()
-    p50, p99 = token_gap_percentiles(token_times)
-    out = {"tps": sum(s.num_output_tokens for s in seqs) / wall, "wall_s": wall,
-           "tpot_ms": 1e3 * sum(s.metrics.tpot or 0 for s in seqs) / len(seqs),
-           "tpot_p50_ms": p50, "tpot_p99_ms": p99,
-           "running_max": max((e["decode_tokens"] for e in decode_steps), default=0),
-           "ttft_s": sum(s.metrics.ttft or 0 for s in seqs) / len(seqs),
-           "running": sum(e["decode_tokens"] for e in decode_steps) / max(len(decode_steps), 1),
-           "step_ms": 1e3 * sum(e["time_s"] for e in decode_steps) / max(len(decode_steps), 1),
-           "preemptions": stats["preemptions"], "failed": stats["requests_failed"],
-           "kv_peak_bytes": stats["kv_peak_bytes"],
-           # the device tensors (KV pool, sparse summaries): at most the budget
-           "device_bytes_allocated": stats["device_bytes_allocated"],
-           "device_peak_bytes": stats["device_peak_bytes"],
-           "tokens": [s.output_token_ids for s in seqs]}
-    if engine.sparse is not None:
-        c = engine.sparse.counters
-        out.update(bytes_per_step=(c.h2d_bytes + c.d2h_bytes) / max(len(decode_steps), 1),
-                   hit_rate=c.hits / max(c.predicted, 1),
-                   kept=(c.hits + c.admitted) / max(c.predicted, 1),
-                   fetch_cap=engine.sparse.fetch_cap)
-    engine.close()
-    return out
-
-
-def token_gap_percentiles(token_times: list[list[float]]) -> tuple[float | None, float | None]:
-    """p50 and p99 (ms) of the times between consecutive output tokens of each request, all
-    requests together: the per-token TPOT distribution (the first token's wait is TTFT's)."""
-    gaps = [b - a for times in token_times for a, b in itertools.pairwise(times)]
-    if not gaps:  # one token per request: no gaps
-        return None, None
-    p50, p99 = np.percentile(gaps, [50, 99])
-    return 1e3 * float(p50), 1e3 * float(p99)
-
-
-def median_run(tries: list[dict]) -> dict:
-    """The run with the median TPS (the lower middle of an even count), with the spread of
-    every run's TPS: on a noisy machine one run of each mode can land in a slow minute."""
-    tps = [r["tps"] for r in tries]  # in round order
-    median = sorted(tries, key=lambda r: r["tps"])[(len(tries) - 1) // 2]
-    return median | {"repeats": len(tries), "tps_runs": tps,
-                     "tps_range": f"{min(tps):.3g}-{max(tps):.3g}"}
+from oasiskv.report import (
+    markdown_table,
+    parse_list,
+    platform_name,
+    pyplot,
+    save_figure,
+    write_json,
+)
 
 
 def step_bytes(mode: str, running: float, context: int, kv_per_token: int, weights: int,
@@ -237,7 +131,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     contexts, levels = parse_list(args.context), parse_levels(args.concurrency)
-    profiled = check_steps(getattr(args, "breakdown", 0))
+    profiled = check_steps(args.breakdown)
     modes, f_hbms = parse_list(args.kv_mode, str), parse_list(args.f_hbm, str)
     peers = parse_peers(args.peer, args.model)
     if "sparse" in modes and peers and "dense" not in modes:
@@ -354,7 +248,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
           f"{args.device_kv_budget}, sparse K={args.top_k} f_hbm={args.f_hbm} {args.predictor}, "
           f"{args.output_len} greedy tokens per request, all requests arriving at once; "
           f"{args.repeats} run(s) of each mode per level, in rounds, the median-TPS run shown; "
-          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads, {platform_name()}, "
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s\n")
     errors = [r for r in rows if "error" in r]
     print(markdown_table(rows, COLUMNS + [("error", "error")] * bool(errors)))
@@ -396,3 +290,52 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
         plot([r for r in rows if "error" not in r], args.plot, capacity,
              f"{args.model} {args.dtype}: dense vs sparse, budget {args.device_kv_budget}")
     return rows
+
+
+COMMANDS = {"throughput": ("dense vs sparse under one device KV budget, "
+                           "concurrency sweep")}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`bench throughput`'s flags."""
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--context", default="4096,7168", help="prompt lengths in tokens")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,dense-max",
+                   help="requests arriving at once (the same first prompts at every level); "
+                   "dense-max: per context, the most requests whose whole K/V fits the "
+                   "device budget (the largest concurrency dense can hold)")
+    p.add_argument("--device-kv-budget", default="1GiB")
+    p.add_argument("--host-kv-budget", default="auto",
+                   help="sparse: host tier bytes; auto: what the largest level's requests hold")
+    p.add_argument("--kv-mode", default="dense,sparse")
+    p.add_argument("--top-k", type=int, default=32)
+    p.add_argument("--f-hbm", default="0.05",
+                   help="sparse fetch cap; several (0.02,0.05,0.1,1.0) add an ablation table")
+    p.add_argument("--kv-cache-dir", default=None,
+                   help="keep the prompts' computed K/V here and reuse it in later runs "
+                   "(default: a temporary directory)")
+    p.add_argument("--peer", default="",
+                   help="other engines on the same prompts: hf (transformers generate), llamacpp "
+                   "(llama.cpp on the same GGUF; scripts/setup_llamacpp.sh builds it)")
+    p.add_argument("--predictor", default="lookahead")
+    p.add_argument("--rerank", type=float, default=CacheConfig.rerank,
+                   help="sparse: re-rank the best c*K blocks by attention over their keys "
+                   "(0 = off: the Quest bound alone)")
+    p.add_argument("--rerank-source", default=CacheConfig.rerank_source,
+                   help="sparse, with --rerank: int8 or int4 (the device's key copy, "
+                   "charged to the budget) or host")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every mode per level, in turn; the row is the median-TPS run")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--json", help="write the figures to this file")
+    p.add_argument("--plot", help="write TPS and running batch vs concurrency (PNG)")
+    p.add_argument("--breakdown", type=int, default=0, metavar="STEPS", help="profile STEPS "
+                   "decode steps per mode and level (an untimed extra run): attention, linear, "
+                   "selection and other ms per step beside the roofline")
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = run_throughput_bench(args)
+    return 1 if any("error" in r for r in rows) else 0  # a peer crashed: its rows did not run

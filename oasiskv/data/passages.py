@@ -1,11 +1,18 @@
-"""Passages of running text that start at a paragraph: the prompts of `eval recall` and the
-perplexity passages of `eval ppl`."""
+"""Paragraphs of running text, where a paragraph starts after a blank line ("\\n\\n"): the one
+place that says so, for the prompts of `eval recall`, the perplexity passages of `eval ppl`
+and the filler of the fidelity tasks (`eval/filler.py`)."""
 
 from __future__ import annotations
 
 import re
 
 _PARAGRAPH = re.compile(r"(?<=\n\n)[^\n]")
+
+
+def paragraph_starts(text: str) -> list[int]:
+    """Index of every paragraph's first character after the first paragraph: a character
+    that is not a newline and follows a blank line."""
+    return [m.start() for m in _PARAGRAPH.finditer(text)]
 
 
 def paragraph_start(text: str, offset: int) -> int:

@@ -19,6 +19,14 @@ Python values: character/logical/integer/double/complex vectors and lists become
 except for doubles, where ``NA`` and ``NaN`` are both ``float('nan')``. Raw vectors become
 ``bytes``; symbols :class:`RSymbol`; ``NULL`` ``None``. Pairlists become an :class:`RVector`
 with ``rtype="pairlist"`` whose tags are its ``names`` attribute.
+
+Why not the ``rdata`` package (PyPI; looked at 1.1.0, 2026-12): it requires pandas and
+xarray (``import rdata`` imports its converters, which import both), neither of which this
+project otherwise needs, to read six character vectors; and it reads ``.rda``/``.rds`` files
+only (its ``RDB2``/``RDB3`` magics are native-binary ``.rda``, not lazy-load databases): no
+reader of the ``.rdb``/``.rdx`` pair, so the index and record code below would stay ours and
+rdata would replace only the XDR unserializer and its value types (about 200 lines). So this
+module stays.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ perplexity and its ratio to dense, greedy agreement. JSON (--out) holds every sa
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import math
 import random
@@ -36,116 +35,16 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from oasiskv.bench.common import markdown_table, parse_f_hbms, parse_list, write_json
-from oasiskv.config import FORCED_DRAFTS, CacheConfig
 from oasiskv.data.austen import NOVELS, austen_text
 from oasiskv.data.passages import paragraph_prompt
 from oasiskv.eval.metrics import paired_bootstrap_ci
+from oasiskv.eval.settings import add_setting_arguments, setting_engines, settings_from_args
 from oasiskv.eval.tasks import NEEDLE_KINDS, make_task, score
+from oasiskv.report import markdown_table, parse_list, write_json
 from oasiskv.sampling_params import SamplingParams
 
 TASKS = ("passkey", "needle", "ppl")
-DEFAULT_F_HBM = CacheConfig.f_hbm
-DEFAULT_BLOCK_SIZE = CacheConfig.block_size
-DEFAULT_AGGREGATION = CacheConfig.score_aggregation
-DEFAULT_RERANK, DEFAULT_RERANK_SOURCE = CacheConfig.rerank, CacheConfig.rerank_source
 MAX_ANSWER_TOKENS = {"passkey": 12, "single": 20, "multikey": 20, "multivalue": 64}
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One column of the comparison: the dense baseline or a sparse configuration."""
-
-    kv_mode: str
-    predictor: str | None = None
-    top_k: int | None = None
-    sink_blocks: int = 0
-    recent_blocks: int = 0
-    f_hbm: float | str = DEFAULT_F_HBM
-    block_size: int = DEFAULT_BLOCK_SIZE
-    rerank: float = DEFAULT_RERANK
-    forced_drafts: str = "known"  # ppl with lookahead: the text's next token, or a guess
-    summary_dtype: str = "auto"
-    score_aggregation: str = DEFAULT_AGGREGATION
-    rerank_source: str = DEFAULT_RERANK_SOURCE
-    # any other CacheConfig fields, (name, value) pairs; named `name=value` where not default
-    options: tuple[tuple[str, Any], ...] = ()
-
-    @property
-    def name(self) -> str:
-        if self.kv_mode == "dense":
-            return "dense"
-        pins = "".join(f" +{n} {what}" for n, what in ((self.sink_blocks, "sink"),
-                                                       (self.recent_blocks, "recent")) if n)
-        cap = "" if self.f_hbm == DEFAULT_F_HBM else f" f_hbm={self.f_hbm}"
-        block = "" if self.block_size == DEFAULT_BLOCK_SIZE else f" B={self.block_size}"
-        # named where not the default (rerank=2 from the int8 copy)
-        source = "" if self.rerank_source == DEFAULT_RERANK_SOURCE else f" {self.rerank_source}"
-        rerank = ("" if (self.rerank, source) == (DEFAULT_RERANK, "") or self.predictor == "oracle"
-                  else f" rerank={self.rerank:g}{source if self.rerank else ''}")
-        scoring = ("" if self.score_aggregation == DEFAULT_AGGREGATION
-                   else f" {self.score_aggregation}")
-        guessed = " guessed drafts" if self.forced_drafts == "guessed" else ""
-        summaries = "" if self.summary_dtype == "auto" else f" {self.summary_dtype} summaries"
-        options = "".join(f" {k}={v}" for k, v in self.options
-                          if v != getattr(CacheConfig, k, None))
-        return (f"sparse K={self.top_k}{block} {self.predictor}{scoring}{rerank}{guessed}{pins}"
-                f"{cap}{summaries}{options}")
-
-    def engine_kwargs(self) -> dict:
-        if self.kv_mode == "dense":
-            return {"kv_mode": "dense"}
-        return {"kv_mode": "sparse", "predictor": self.predictor, "top_k": self.top_k,
-                "sink_blocks": self.sink_blocks, "recent_blocks": self.recent_blocks,
-                "f_hbm": self.f_hbm, "block_size": self.block_size, "rerank": self.rerank,
-                "forced_drafts": self.forced_drafts, "summary_dtype": self.summary_dtype,
-                "score_aggregation": self.score_aggregation, "rerank_source": self.rerank_source,
-                **dict(self.options)}
-
-
-def settings_from(kv_modes: list[str], predictors: list[str], top_ks: list[int],
-                  sinks: tuple[int, ...] = (0,), recents: tuple[int, ...] = (0,),
-                  f_hbms: tuple[float | str, ...] = (DEFAULT_F_HBM,),
-                  block_sizes: tuple[int, ...] = (DEFAULT_BLOCK_SIZE,),
-                  token_budgets: tuple[int, ...] = (),
-                  reranks: tuple[float, ...] = (DEFAULT_RERANK,),
-                  forced_drafts: tuple[str, ...] = ("known",),
-                  summary_dtypes: tuple[str, ...] = ("auto",),
-                  aggregations: tuple[str, ...] = (DEFAULT_AGGREGATION,),
-                  rerank_sources: tuple[str, ...] = (DEFAULT_RERANK_SOURCE,),
-                  extra: dict[str, tuple] | None = None) -> list[Setting]:
-    """dense, then every sparse combination. With token budgets, K = budget / B for each block
-    size B instead of top_ks: finer blocks at the same resident tokens. Only lookahead drafts,
-    so the other predictors take one forced_drafts value; only a rerank reads keys, so
-    rerank=0 takes one source (none is read). `extra`: other CacheConfig fields and the values
-    to compare (each combination a setting; a default value stays out of its name)."""
-    bad = [m for m in kv_modes if m not in ("dense", "sparse")]
-    if bad or not kv_modes:
-        raise ValueError(f"--kv-mode takes dense and/or sparse, got {kv_modes}")
-    if not forced_drafts or any(d not in FORCED_DRAFTS for d in forced_drafts):
-        raise ValueError(f"--forced-drafts takes known and/or guessed, got {forced_drafts}")
-    for budget in token_budgets:
-        uneven = [b for b in block_sizes if budget % b]
-        if uneven:
-            raise ValueError(f"--token-budget {budget} is not a whole number of blocks of "
-                             f"{uneven[0]} tokens")
-    out = [Setting("dense")] if "dense" in kv_modes else []
-    if "sparse" in kv_modes:
-        sparse = [Setting("sparse", p, k, s, r, f, b, c, d, u, a, src) for b in block_sizes
-                  for k in ([t // b for t in token_budgets] or top_ks)
-                  for s in sinks for r in recents for f in f_hbms for p in predictors
-                  for a in aggregations
-                  for c in reranks
-                  for src in (rerank_sources if c else rerank_sources[:1])
-                  for d in (forced_drafts if p == "lookahead" else forced_drafts[:1])
-                  for u in summary_dtypes]
-        fields = list(extra or {})
-        defaults = {f: getattr(CacheConfig, f) for f in fields}
-        out += [dataclasses.replace(x, options=tuple((f, v) for f, v in zip(fields, values,
-                                                                            strict=True)
-                                                     if v != defaults[f]))
-                for x in sparse for values in itertools.product(*(extra or {}).values())]
-    return out
 
 
 @dataclass
@@ -312,48 +211,9 @@ COLUMNS = [("context", "context"), ("task", "task"), ("setting", "setting"),
            ("decode_s", "decode s")]
 
 
-def settings_from_args(args: argparse.Namespace) -> list[Setting]:
-    """The settings that `eval passkey|needle|ppl|all|ruler`'s flags ask for."""
-    return settings_from(parse_list(args.kv_mode, str), parse_list(args.predictor, str),
-                         parse_list(args.top_k), parse_list(args.sink_blocks),
-                         parse_list(args.recent_blocks), parse_f_hbms(args.f_hbm),
-                         parse_list(args.block_size),
-                         parse_list(args.token_budget) if args.token_budget else (),
-                         parse_list(args.rerank, float),
-                         parse_list(getattr(args, "forced_drafts", "known"), str),
-                         parse_list(args.summary_dtype, str),
-                         parse_list(args.score_aggregation, str),
-                         parse_list(args.rerank_source, str),
-                         {"dense_layers": parse_list(args.dense_layers),
-                          "summary_splits": parse_list(args.summary_splits)})
-
-
-def setting_engines(args: argparse.Namespace, settings: list[Setting],
-                    extra: dict | None = None) -> tuple[list[str], Callable[[str], Any]]:
-    """(setting names, engine_for(name)): the first setting's engine, built here, and the
-    others' on its weights. `extra`: engine options every setting shares (a device budget)."""
-    from oasiskv.config import EngineConfig
-    from oasiskv.engine.engine import LLMEngine
-
-    base = {"model": args.model, "dtype": args.dtype, "drafter": args.drafter, **(extra or {})}
-    if args.num_threads:
-        base["num_threads"] = args.num_threads
-    configs = {s.name: EngineConfig.from_kwargs(**base, **s.engine_kwargs()) for s in settings}
-    names = list(configs)
-    first = LLMEngine(configs[names[0]])
-
-    def engine_for(name: str) -> LLMEngine:
-        # Built when its turn comes and dropped after it, on the first engine's weights: one
-        # setting's KV pools in memory at a time (13 settings of two 7,168-token prompts each
-        # did not fit in 24 GiB side by side).
-        return first if name == names[0] else LLMEngine(configs[name], share_weights=first)
-
-    return names, engine_for
-
-
 def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
     t0 = time.perf_counter()
-    tasks = list(TASKS) if args.task == "all" else [args.task]
+    tasks = list(TASKS) if args.subcommand == "all" else [args.subcommand]
     contexts = parse_list(args.context)
     settings = settings_from_args(args)
     if args.samples <= 0:
@@ -416,3 +276,33 @@ def run_fidelity_eval(args: argparse.Namespace) -> list[dict]:
           f"(settings in turn, on the same machine). {elapsed:.0f} s.")
     save(elapsed, complete=True)
     return rows
+
+
+COMMANDS = {task: f"fidelity, dense vs sparse on the same prompts: "
+                  f"{'passkey, needle and ppl' if task == 'all' else task}"
+            for task in (*TASKS, "all")}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`eval passkey|needle|ppl|all`'s flags: the prompts, and the settings to compare."""
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model alias, HF directory or .gguf file")
+    p.add_argument("--context", default="4096,7168", help="prompt lengths in tokens")
+    p.add_argument("--samples", type=int, default=20, help="prompts per task and context")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--forced-drafts", default="known",
+                   help="ppl with lookahead: the teacher-forced next token is the draft "
+                   "(known) and/or the drafter guesses it (guessed; values to compare)")
+    p.add_argument("--ppl-samples", type=int, default=None,
+                   help="passages for ppl (default: --samples)")
+    p.add_argument("--ppl-tokens", type=int, default=64,
+                   help="ppl: teacher-forced tokens scored at the end of each passage")
+    p.add_argument("--agree-tokens", type=int, default=64,
+                   help="ppl passages: greedy tokens compared with dense")
+    p.add_argument("--out", "--json", dest="out", help="write the figures to this file")
+    add_setting_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    run_fidelity_eval(args)
+    return 0

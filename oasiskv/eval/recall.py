@@ -32,13 +32,13 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from oasiskv.bench.common import markdown_table, parse_list, write_json
 from oasiskv.config import CacheConfig, SpecConfig, head_dir
 from oasiskv.context import SeqAttention, StepContext
 from oasiskv.data.austen import austen_text
 from oasiskv.data.passages import paragraph_prompt
 from oasiskv.eval.recall_probe import RecallProbe, RowKey, Totals
 from oasiskv.eval.recall_report import COLUMNS, plot_recall, summarize_totals
+from oasiskv.report import markdown_table, parse_list, write_json
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.sequence import Sequence
 from oasiskv.spec.drafters import Drafter, chained_draft, make_drafter, sampling_weights

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from oasiskv.bench.common import pyplot, save_figure
 from oasiskv.eval.recall_probe import Totals, reranked
+from oasiskv.report import pyplot, save_figure
 
 if TYPE_CHECKING:
     from oasiskv.eval.recall import RecallSpec

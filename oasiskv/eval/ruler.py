@@ -28,8 +28,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from oasiskv.bench.common import markdown_table, parse_list, write_json
-from oasiskv.eval.fidelity import run_samples, setting_engines, settings_from_args
+from oasiskv.eval.fidelity import run_samples
 from oasiskv.eval.metrics import paired_bootstrap_ci
 from oasiskv.eval.ruler_gen import (
     SEED,
@@ -39,6 +38,8 @@ from oasiskv.eval.ruler_gen import (
     release,
     task_names,
 )
+from oasiskv.eval.settings import add_setting_arguments, setting_engines, settings_from_args
+from oasiskv.report import markdown_table, parse_list, write_json
 from oasiskv.sampling_params import SamplingParams
 
 __all__ = ["COUNT_AT", "postprocess", "score_prediction", "summarize", "run_ruler_eval"]
@@ -215,3 +216,27 @@ def run_ruler_eval(args: argparse.Namespace) -> list[dict]:
           f"prefilled once (dense) and decoded greedily by each setting. {elapsed:.0f} s.")
     save(elapsed, complete=True)
     return rows
+
+
+COMMANDS = {"ruler": ("NVIDIA's RULER tasks (nvidia-long-context-eval), "
+                      "dense vs sparse on the same prompts, scored as RULER scores")}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`eval ruler`'s flags: RULER's, and the settings to compare."""
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model alias, HF directory or .gguf file")
+    p.add_argument("--context", default="4096,8192",
+                   help="RULER's max_seq_length: prompt + tokens to generate")
+    p.add_argument("--tasks", default="all",
+                   help="comma-separated RULER tasks (niah_single_1, ..., vt, cwe, fwe, "
+                   "qa_1, qa_2) or all")
+    p.add_argument("--samples", type=int, default=20, help="prompts per task and context")
+    p.add_argument("--seed", type=int, default=42, help="RULER's random_seed (its default)")
+    p.add_argument("--out", "--json", dest="out", help="write the figures to this file")
+    add_setting_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    run_ruler_eval(args)
+    return 0

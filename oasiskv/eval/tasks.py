@@ -9,7 +9,8 @@ whole prompt, template included, has ``context_tokens`` tokens (to within 1 %, u
 Needles go in at a sentence boundary within 1 % of the context from the asked depth (else a
 clause, else a word boundary), where depth 0 is the start of the filler and 1 its end;
 :class:`Task` records where each one landed, in characters of :attr:`Task.prompt` and in
-tokens of :attr:`Task.input_ids`.
+tokens of :attr:`Task.input_ids`. (The filler and its boundaries: `eval/filler.py`; whether an
+output gives an answer: `eval/answers.py`.)
 
 - :func:`passkey_task`: "The pass key is 48213. Remember it. 48213 is the pass key." (a random
   5-digit number), asked as "What is the pass key? The pass key is".
@@ -31,12 +32,22 @@ thousands separators allowed ("48,213", "48 213"), anywhere in surrounding text;
 
 from __future__ import annotations
 
-import bisect
-import functools
 import random
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from oasiskv.eval.answers import match_answer, numbers_in
+from oasiskv.eval.filler import (
+    Tokenized,
+    clause_ends,
+    default_text,
+    filler_start,
+    insert,
+    sentence_ends,
+    snap,
+    source,
+    trim,
+)
 
 __all__ = [
     "KINDS",
@@ -165,44 +176,6 @@ class Task:
         return tuple(n.token_start / max(self.num_tokens, 1) for n in self.needles)
 
 
-# ---- scoring -------------------------------------------------------------------------------
-
-# A number written with thousands separators: 48,213 / 48 213 / 1,234,567 / 1.234.567.
-_GROUPED = re.compile(r"(?<![\d,.])\d{1,3}(?:(?:,|\.|[ \u00a0\u2009\u202f'_])\d{3})+(?![\d])")
-_DIGITS = re.compile(r"\d+")
-
-
-def _ungroup(text: str) -> str:
-    return _GROUPED.sub(lambda m: re.sub(r"\D", "", m.group(0)), text)
-
-
-def numbers_in(text: str) -> list[str]:
-    """The whole numbers in `text`, thousands separators removed ("48,213" -> "48213")."""
-    return _DIGITS.findall(_ungroup(text))
-
-
-def _normalize(text: str) -> str:
-    return " ".join(_ungroup(text).split()).strip().rstrip(".").strip().casefold()
-
-
-def match_answer(answer: str, output: str, rule: str = "contains") -> bool:
-    """Whether `output` gives `answer`.
-
-    ``rule="exact"``: the whole output, separators removed, spaces collapsed, case folded and a
-    final period dropped, equals the answer. ``rule="contains"``: a numeric answer appears in
-    the output as a whole number (so "48213" is found in "The pass key is 48,213." but not in
-    "482130"); any other answer appears as a case-insensitive substring.
-    """
-    answer = answer.strip()
-    if rule == "exact":
-        return _normalize(output) == _normalize(answer)
-    if rule != "contains":
-        raise ValueError(f"unknown rule {rule!r}; choose 'contains' or 'exact'")
-    if answer.isdigit():
-        return answer in numbers_in(output)
-    return _normalize(answer) in _normalize(output)
-
-
 def score(task: Task, output: str, rule: str = "contains") -> float:
     """Fraction of the task's answers found in `output` (0.0 or 1.0 unless multivalue)."""
     if not task.answers:
@@ -212,144 +185,6 @@ def score(task: Task, output: str, rule: str = "contains") -> float:
         got = numbers_in(output)
         return float(sorted(got) == sorted(task.answers))
     return sum(match_answer(a, output, rule) for a in task.answers) / len(task.answers)
-
-
-# ---- filler --------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=1)
-def _default_text() -> str:
-    from oasiskv.data.austen import austen_corpus
-
-    return austen_corpus()
-
-
-def _unwrap(text: str) -> str:
-    """Hard-wrapped lines into paragraphs: single newlines become spaces, blank-line runs one
-    blank line, runs of spaces one space."""
-    text = text.replace("\r\n", "\n")
-    text = re.sub(r"[ \t]*\n[ \t]*", "\n", text)
-    text = re.sub(r"(?<!\n)\n(?!\n)", " ", text)
-    text = re.sub(r"\n{3,}", "\n\n", text)
-    return re.sub(r"[ \t]{2,}", " ", text)
-
-
-def _paragraph_start(text: str, offset: int) -> int:
-    if offset <= 0:
-        return 0
-    i = text.find("\n\n", offset)
-    if i < 0:
-        return 0
-    while i < len(text) and text[i] == "\n":
-        i += 1
-    return i if i < len(text) else 0
-
-
-def _source(text: str, start: int, min_chars: int) -> str:
-    """Unwrapped text from `start`, wrapping around to the beginning until `min_chars` long."""
-    parts, total, pos = [], 0, start
-    while total < min_chars:
-        chunk = text[pos:pos + min_chars - total + 4096]
-        if not chunk:
-            if pos == 0:
-                raise ValueError("filler text is empty")
-            pos = 0
-            continue
-        parts.append(chunk)
-        total += len(chunk)
-        pos += len(chunk)
-        if pos >= len(text):
-            parts.append("\n\n")
-            pos = 0
-    src = _unwrap("".join(parts)).lstrip()
-    if not src.strip():
-        raise ValueError("filler text is blank")
-    return src
-
-
-class _Tokenized:
-    """Offsets of `text`'s tokens (no special tokens): token i spans chars [starts[i], ends[i])."""
-
-    def __init__(self, tokenizer, text: str) -> None:
-        self.text = text
-        if getattr(tokenizer, "is_fast", False):
-            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            self.starts = [s for s, _ in enc["offset_mapping"]]
-            self.ends = [e for _, e in enc["offset_mapping"]]
-        else:  # slow tokenizer: decode-length offsets (approximate at multi-byte characters)
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            self.starts, self.ends, pos = [], [], 0
-            for i in range(len(ids)):
-                end = min(len(tokenizer.decode(ids[:i + 1])), len(text))
-                self.starts.append(pos)
-                self.ends.append(end)
-                pos = end
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-
-_ABBREVIATIONS = frozenset({"Mr", "Mrs", "Ms", "Dr", "St", "Messrs", "Mme", "Mlle", "Col", "Capt",
-                            "Gen", "Sir", "Rev", "Lt", "No", "vol", "ch", "viz", "i.e", "e.g",
-                            "etc", "Esq"})
-
-
-def _sentence_ends(text: str) -> list[int]:
-    """Char positions right after a sentence or paragraph end (before its whitespace)."""
-    ends = set()
-    for m in re.finditer(r"(\S*?)([.!?])[\"'\u201d\u2019)]?(?=\s)", text):
-        word = m.group(1).lstrip("\"'(\u201c\u2018")
-        if m.group(2) == "." and (word in _ABBREVIATIONS or (len(word) == 1 and word.isupper())):
-            continue  # "Mrs. Allen", "J. Thorpe": not a sentence end
-        ends.add(m.end())
-    for m in re.finditer(r"\n\n", text):  # a paragraph break: before the next paragraph
-        ends.discard(m.start())
-        ends.add(m.end())
-    ends.update((0, len(text)))
-    return sorted(ends)
-
-
-def _clause_ends(text: str) -> list[int]:
-    """Char positions right after a comma, semicolon, colon or dash (before whitespace)."""
-    ends = {m.end() for m in re.finditer(r"(?:[,;:]|--)(?=\s)", text)}
-    ends.update((0, len(text)))
-    return sorted(ends)
-
-
-def _nearest(boundaries: list[int], pos: int, window: int) -> int | None:
-    i = bisect.bisect_left(boundaries, pos)
-    near = [b for b in boundaries[max(i - 1, 0):i + 1] if abs(b - pos) <= window]
-    return min(near, key=lambda b: (abs(b - pos), b)) if near else None
-
-
-def _snap(text: str, pos: int, tiers: list[list[int]], window: int) -> int:
-    """The boundary nearest `pos` within `window` chars from the first tier that has one
-    (sentence ends, then clause ends), else the nearest whitespace (a word boundary)."""
-    if pos <= 0:
-        return 0
-    if pos >= len(text):
-        return len(text)
-    for boundaries in tiers:
-        found = _nearest(boundaries, pos, window)
-        if found is not None:
-            return found
-    for d in range(0, max(window, 1) + 1):
-        for p in (pos - d, pos + d):
-            if 0 < p < len(text) and text[p].isspace():
-                return p
-    return pos
-
-
-def _trim(text: str, end: int) -> str:
-    """`text[:end]` cut back to a word boundary (never to nothing) and right-stripped."""
-    if end >= len(text):
-        return text.rstrip()
-    cut = text[:end]
-    if not text[end].isspace():
-        ws = max(cut.rfind(" "), cut.rfind("\n"))
-        if ws > 0:
-            cut = cut[:ws]
-    return cut.rstrip()
 
 
 # ---- prompt assembly -----------------------------------------------------------------------
@@ -395,24 +230,6 @@ def _char_to_token(tokenizer, prompt: str, ids: list[int], chat: bool,
     return [len(tokenizer.encode(prompt[:c], add_special_tokens=not chat)) for c in chars]
 
 
-def _insert(filler: str, positions: list[int], texts: list[str]) -> tuple[str, list[int]]:
-    """Inserts texts[i] at filler char positions[i] (a space either side where there is none);
-    returns (haystack, start of each text in it)."""
-    order = sorted(range(len(texts)), key=lambda i: (positions[i], i))
-    buf, starts, prev = "", [0] * len(texts), 0
-    for i in order:
-        pos = positions[i]
-        buf += filler[prev:pos]
-        if buf and not buf[-1].isspace():
-            buf += " "
-        starts[i] = len(buf)
-        buf += texts[i]
-        if pos < len(filler) and not filler[pos].isspace():
-            buf += " "
-        prev = pos
-    return buf + filler[prev:], starts
-
-
 def _build(tokenizer, *, kind: str, context_tokens: int, depths: Sequence[float], seed: int,
            needles: list[tuple[str, str, str]], answers: list[str], header: str, question: str,
            answer_prefix: str, text: str | None, chat: bool, query: str) -> Task:
@@ -422,8 +239,8 @@ def _build(tokenizer, *, kind: str, context_tokens: int, depths: Sequence[float]
         if not 0.0 <= d <= 1.0:
             raise ValueError(f"depth must be in [0, 1], got {d}")
     chat = chat and _has_chat_template(tokenizer)
-    raw = _default_text() if text is None else text
-    start = _paragraph_start(raw, _rng("filler", seed).randrange(max(len(raw), 1)))
+    raw = default_text() if text is None else text
+    start = filler_start(raw, _rng("filler", seed).randrange(max(len(raw), 1)))
 
     # Prompt without filler: what the filler has to leave room for.
     bare = _render(tokenizer, header, " ".join(t for t, _, _ in needles), question,
@@ -432,13 +249,13 @@ def _build(tokenizer, *, kind: str, context_tokens: int, depths: Sequence[float]
     if want <= 0:
         raise ValueError(f"context_tokens={context_tokens} leaves no room for filler: the "
                          f"instructions, needles and question alone take {len(bare)} tokens")
-    probe = _source(raw, start, 4000)
-    chars_per_token = max(len(probe) / max(len(_Tokenized(tokenizer, probe)), 1), 0.5)
-    src = _source(raw, start, int(want * chars_per_token * 1.3) + 1000)
-    tok = _Tokenized(tokenizer, src)
+    probe = source(raw, start, 4000)
+    chars_per_token = max(len(probe) / max(len(Tokenized(tokenizer, probe)), 1), 0.5)
+    src = source(raw, start, int(want * chars_per_token * 1.3) + 1000)
+    tok = Tokenized(tokenizer, src)
     while len(tok) < want * 1.1 + 16:
-        src = _source(raw, start, len(src) * 2)
-        tok = _Tokenized(tokenizer, src)
+        src = source(raw, start, len(src) * 2)
+        tok = Tokenized(tokenizer, src)
     window = max(int(0.01 * context_tokens * chars_per_token), 8)  # 1 % of the context
 
     best = None
@@ -448,15 +265,15 @@ def _build(tokenizer, *, kind: str, context_tokens: int, depths: Sequence[float]
         if n_fill in seen:
             break
         seen.add(n_fill)
-        filler = _trim(src, tok.ends[n_fill - 1])
-        ftok = _Tokenized(tokenizer, filler)
-        tiers = [_sentence_ends(filler), _clause_ends(filler)]
+        filler = trim(src, tok.ends[n_fill - 1])
+        ftok = Tokenized(tokenizer, filler)
+        tiers = [sentence_ends(filler), clause_ends(filler)]
         spots = []
         for d in depths:
             t = round(d * len(ftok))
             pos = len(filler) if t >= len(ftok) else ftok.starts[t]
-            spots.append(_snap(filler, pos, tiers, window))
-        haystack, starts = _insert(filler, spots, [t for t, _, _ in needles])
+            spots.append(snap(filler, pos, tiers, window))
+        haystack, starts = insert(filler, spots, [t for t, _, _ in needles])
         prompt, hay_off, ids = _render(tokenizer, header, haystack, question, answer_prefix,
                                        chat)
         diff = context_tokens - len(ids)

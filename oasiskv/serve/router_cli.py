@@ -18,32 +18,32 @@ def _urls(text: str) -> list[str]:
     return [u.strip() for u in text.split(",") if u.strip()]
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    sp = subparsers.add_parser(
-        "router", help="the OpenAI-compatible front of disaggregated serving: routes each "
-        "request to a prefill worker and a decode worker (`serve --role`)")
-    sp.add_argument("--prefill", type=_urls, default=[],
-                    help="prefill workers, comma-separated: http://HOST:PORT[,...]")
-    sp.add_argument("--decode", type=_urls, default=[],
-                    help="decode workers, comma-separated: http://HOST:PORT[,...]")
-    sp.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    sp.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
-    sp.add_argument("--api-key", default=None,
-                    help="require 'Authorization: Bearer KEY' from clients")
-    sp.add_argument("--worker-token", default=None,
-                    help=f"the token the workers were started with (default: ${TOKEN_ENV})")
-    sp.add_argument("--transfer", choices=TRANSFERS, default=None,
-                    help="hand-over for every request (default: each prefill worker's own)")
-    sp.add_argument("--health-interval", type=float, default=0.5,
-                    help="seconds between load reports polled from each worker")
-    sp.add_argument("--worker-timeout", type=float, default=10.0,
-                    help="seconds of silence from a worker before its request fails (workers "
-                    "send a keep-alive every second)")
-    sp.add_argument("--max-body-bytes", default="10MiB", help="largest request body (413 above)")
-    sp.add_argument("--shutdown-timeout", type=float, default=30.0,
-                    help="on SIGTERM: seconds requests in flight get to finish")
-    sp.set_defaults(func=run)
-    return sp
+COMMANDS = {"router": ("the OpenAI-compatible front of disaggregated serving: routes each "
+                       "request to a prefill worker and a decode worker (`serve --role`)")}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`router`'s flags."""
+    p.add_argument("--prefill", type=_urls, default=[],
+                   help="prefill workers, comma-separated: http://HOST:PORT[,...]")
+    p.add_argument("--decode", type=_urls, default=[],
+                   help="decode workers, comma-separated: http://HOST:PORT[,...]")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' from clients")
+    p.add_argument("--worker-token", default=None,
+                   help=f"the token the workers were started with (default: ${TOKEN_ENV})")
+    p.add_argument("--transfer", choices=TRANSFERS, default=None,
+                   help="hand-over for every request (default: each prefill worker's own)")
+    p.add_argument("--health-interval", type=float, default=0.5,
+                   help="seconds between load reports polled from each worker")
+    p.add_argument("--worker-timeout", type=float, default=10.0,
+                   help="seconds of silence from a worker before its request fails (workers "
+                   "send a keep-alive every second)")
+    p.add_argument("--max-body-bytes", default="10MiB", help="largest request body (413 above)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds requests in flight get to finish")
 
 
 def run(args: argparse.Namespace) -> int:

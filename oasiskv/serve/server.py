@@ -60,42 +60,42 @@ class ServeOptions:
                              f"--worker-token or ${TOKEN_ENV}")
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """The `serve` subcommand: every engine flag and the server's own."""
-    from oasiskv.cli import add_engine_flags
+COMMANDS = {"serve": "an OpenAI-compatible HTTP server over the engine"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The `serve` subcommand's flags: every engine flag and the server's own."""
+    from oasiskv.engine_args import add_engine_flags
 
     d = ServeOptions()
-    sp = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine")
-    sp.add_argument("--host", default=d.host, help="address to bind (default: loopback only)")
-    sp.add_argument("--port", type=int, default=d.port, help="port (0: any free one)")
-    sp.add_argument("--api-key", default=None,
-                    help="require 'Authorization: Bearer KEY' (all but /health and /metrics)")
-    sp.add_argument("--served-model-name", default=None,
-                    help="the model name clients send (default: the --model value)")
-    sp.add_argument("--max-waiting", type=int, default=d.max_waiting,
-                    help="requests waiting beyond the running batch before new ones get 503")
-    sp.add_argument("--request-timeout", type=float, default=None,
-                    help="seconds a request may take before it is aborted (default: no limit)")
-    sp.add_argument("--max-body-bytes", default=d.max_body_bytes,
-                    help="largest request body, e.g. 10MiB (413 above)")
-    sp.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
-                    help="on SIGTERM: seconds requests in flight get to finish")
-    sp.add_argument("--sse-keepalive", type=float, default=None,
-                    help="seconds without output before a stream gets a keep-alive comment "
-                    f"(default: {d.sse_keepalive}; {WORKER_KEEPALIVE} for a --role worker)")
-    sp.add_argument("--role", choices=ROLES, default=None,
-                    help="a worker behind `oasiskv router` (disaggregated serving): prefill "
-                    "computes prompts and hands them over through --remote-store, decode "
-                    "continues them")
-    sp.add_argument("--worker-token", default=None,
-                    help=f"with --role: the token shared with the router (default: ${TOKEN_ENV})")
-    sp.add_argument("--transfer", choices=TRANSFERS, default=d.transfer,
-                    help="with --role prefill: what a hand-over moves at admission (partial: "
-                    "the first working sets' blocks; slab: their per-head slices; full: the "
-                    "whole prompt)")
-    add_engine_flags(sp)
-    sp.set_defaults(func=run)
-    return sp
+    p.add_argument("--host", default=d.host, help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=d.port, help="port (0: any free one)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (all but /health and /metrics)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the --model value)")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="requests waiting beyond the running batch before new ones get 503")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take before it is aborted (default: no limit)")
+    p.add_argument("--max-body-bytes", default=d.max_body_bytes,
+                   help="largest request body, e.g. 10MiB (413 above)")
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="on SIGTERM: seconds requests in flight get to finish")
+    p.add_argument("--sse-keepalive", type=float, default=None,
+                   help="seconds without output before a stream gets a keep-alive comment "
+                   f"(default: {d.sse_keepalive}; {WORKER_KEEPALIVE} for a --role worker)")
+    p.add_argument("--role", choices=ROLES, default=None,
+                   help="a worker behind `oasiskv router` (disaggregated serving): prefill "
+                   "computes prompts and hands them over through --remote-store, decode "
+                   "continues them")
+    p.add_argument("--worker-token", default=None,
+                   help=f"with --role: the token shared with the router (default: ${TOKEN_ENV})")
+    p.add_argument("--transfer", choices=TRANSFERS, default=d.transfer,
+                   help="with --role prefill: what a hand-over moves at admission (partial: "
+                   "the first working sets' blocks; slab: their per-head slices; full: the "
+                   "whole prompt)")
+    add_engine_flags(p)
 
 
 def make_server(llm, options: ServeOptions, log_level: str = "info"):
@@ -129,7 +129,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def run(args: argparse.Namespace) -> int:
     from oasiskv import LLM
-    from oasiskv.cli import engine_kwargs
+    from oasiskv.engine_args import engine_kwargs
 
     role = args.role
     if role is None and args.worker_token:

@@ -12,7 +12,6 @@ from conftest import build_model_dir
 
 import oasiskv.bench.pareto as pareto
 from oasiskv.bench.sparse_options import parse_settings, parse_sparse
-from oasiskv.bench.throughput import token_gap_percentiles
 from oasiskv.cli import main
 from oasiskv.config import CacheConfig
 
@@ -161,11 +160,3 @@ def test_any_cache_field_is_an_option_of_its_setting():
     default = parse_settings(None)[1]
     assert default.engine_kwargs()["top_k"] == CacheConfig.top_k
     assert default.name == f"sparse K={CacheConfig.top_k} {CacheConfig.predictor}"
-
-
-def test_token_gap_percentiles_by_hand():
-    # gaps 1, 2, 3 s (one request) and 0.5 s (another): sorted 0.5, 1, 2, 3; the median
-    # lies halfway between 1 and 2, p99 at 0.99 * 3 = 2.97 positions: 2 + 0.97 * (3 - 2)
-    p50, p99 = token_gap_percentiles([[0, 1, 3, 6], [10, 10.5], [7]])
-    assert p50 == pytest.approx(1500) and p99 == pytest.approx(2970)
-    assert token_gap_percentiles([[1.0], []]) == (None, None)

@@ -3,7 +3,7 @@
 import pytest
 from conftest import build_tokenizer
 
-from oasiskv.data.passages import paragraph_prompt, paragraph_start
+from oasiskv.data.passages import paragraph_prompt, paragraph_start, paragraph_starts
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +26,15 @@ def test_paragraph_start_is_at_or_after_the_offset(offset, want):
     start = paragraph_start(TEXT, offset)
     assert start == want and start >= offset
     assert start == 0 or (TEXT[start - 2:start] == "\n\n" and TEXT[start] != "\n")
+
+
+def test_every_paragraph_start():
+    assert paragraph_starts(TEXT) == [TEXT.index(w) for w in ("First", "Second", "Third")]
+    assert paragraph_starts("one\n\n\n\n") == [] and paragraph_starts("") == []
+    # each is the paragraph_start of every offset since the one before
+    starts = [0, *paragraph_starts(TEXT)]
+    for a, b in zip(starts, starts[1:], strict=False):
+        assert {paragraph_start(TEXT, o) for o in range(a + 1, b + 1)} == {b}
 
 
 def test_no_paragraph_after_the_offset_is_an_error():
