@@ -22,8 +22,8 @@ import torch
 
 from oasiskv.kv.rerank import rerank_layers
 from oasiskv.kv.select import aggregated_scores, rerank_by_mass, summary_weights, weighted_scores
+from oasiskv.kv.select_jobs import requests_view
 from oasiskv.kv.summaries import dequantize_keys, quantize_keys
-from oasiskv.prefetch.stages import requests_view
 
 L, H, HKV, D, N, R, B, K = 30, 9, 3, 64, 448, 6, 16, 128
 

@@ -34,6 +34,7 @@ from oasiskv.kv.device_budget import (
 from oasiskv.kv.remote_tier import RemoteTier, open_store
 from oasiskv.kv.rerank import warm_up_rerank
 from oasiskv.kv.residency import SparseKV
+from oasiskv.kv.select_jobs import warm_up_scores
 from oasiskv.kv.summaries import warm_up_key_copy
 from oasiskv.layers.linear import pack_linears
 from oasiskv.layers.sampler import sample, verify_draft
@@ -43,7 +44,6 @@ from oasiskv.models.registry import resolve_model
 from oasiskv.outputs import RequestOutput
 from oasiskv.prefetch.executor import make_executor
 from oasiskv.prefetch.pipeline import PrefetchPipeline
-from oasiskv.prefetch.stages import warm_up_scores
 from oasiskv.prefetch.trace import Tracer
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.spec.drafters import chained_draft, make_drafter, sampling_weights

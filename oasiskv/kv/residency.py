@@ -39,10 +39,10 @@ from oasiskv.context import SeqAttention
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import is_contiguous
 from oasiskv.kv.select import insert_block, mixed_queries
+from oasiskv.kv.select_jobs import SelectJob
 from oasiskv.kv.summaries import quantize_keys, round_outward, summarize, summary_rows
 from oasiskv.prefetch.executor import InlineExecutor, PrefetchError
 from oasiskv.prefetch.pipeline import PrefetchPipeline
-from oasiskv.prefetch.stages import SelectJob
 
 if TYPE_CHECKING:
     from oasiskv.kv.remote_tier import RemoteTier

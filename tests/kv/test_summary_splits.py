@@ -12,8 +12,8 @@ import torch
 from oasiskv import LLM, SamplingParams
 from oasiskv.config import CacheConfig
 from oasiskv.kv.select import aggregated_scores, block_scores
+from oasiskv.kv.select_jobs import SelectJob, requests_view
 from oasiskv.kv.summaries import round_outward, summarize, summary_rows
-from oasiskv.prefetch.stages import SelectJob, requests_view
 
 B, D, HKV, GROUP = 16, 8, 2, 3
 

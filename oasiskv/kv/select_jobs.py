@@ -2,7 +2,8 @@
 or in a run of layers at once: predict (scores + per-head top-K), select (capped LRU, head maps
 updated), remote (with a remote store: admitted blocks missing from the host caches, fetched in
 one call for the run; on one node nothing to do), local (one gather host -> device slots).
-The pipeline runs them in order, inline or in workers; `kv/residency.py` creates them."""
+`kv/residency.py` creates them; the prefetch pipeline (`prefetch/`, which knows nothing of KV)
+runs them in order, inline or in workers."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ import torch
 from oasiskv import LLM, SamplingParams
 from oasiskv.config import CacheConfig
 from oasiskv.kv.blocks import BlockPool
+from oasiskv.kv.select_jobs import SelectJob
 from oasiskv.kv.summaries import round_outward
-from oasiskv.prefetch.stages import SelectJob
 
 PARAMS = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 COUNTERS = ("sparse_predicted", "sparse_hits", "sparse_wanted", "sparse_admitted",
