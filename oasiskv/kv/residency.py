@@ -90,7 +90,8 @@ class StepDecode:
 
 @dataclass
 class SparseKV:
-    """Selection, local fetch and fills for the sparse requests of each step."""
+    """Selection, local fetch and fills for the sparse requests of each step; attention's
+    per-layer hooks (`context.LayerHooks`: wait_layer, prepare_layer, after_attention)."""
 
     cfg: CacheConfig
     device_kv: torch.Tensor  # [L, 2, Hkv, device_slots, d]
