@@ -1,8 +1,8 @@
 """Device working sets of sparse requests: head maps, local fetch, block fills (paper §3.2).
 
-A sparse request holds one slab of K+2 device blocks. Slot s < K of KV head g holds the
-logical block head_map[s, g]; slot K is the active (filling) block, attended by every head;
-slot K+1 holds the step's drafts' K/V (the runner writes them, attention reads them).
+A sparse request holds one slab of K+2 device blocks, laid out by `kv/slab.Slab`: slot s < K of
+KV head g holds the logical block head_map[s, g]; then the active (filling) block, attended by
+every head, and the draft block (the step's drafts' K/V).
 The host tier holds the request's complete history as whole blocks; the summary (kmin/kmax)
 of every complete block lives on the device and drives selection. Summaries are indexed by
 the request's summary ids (`seq.summary_ids`), host blocks by `seq.host_table`: the same ids
@@ -40,6 +40,7 @@ from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import is_contiguous
 from oasiskv.kv.select import insert_block, mixed_queries
 from oasiskv.kv.select_jobs import SelectJob
+from oasiskv.kv.slab import Slab
 from oasiskv.kv.summaries import quantize_keys, round_outward, summarize, summary_rows
 from oasiskv.prefetch.executor import InlineExecutor, PrefetchError
 from oasiskv.prefetch.pipeline import PrefetchPipeline
@@ -84,7 +85,7 @@ class StepDecode:
     pos: int  # position of the step's token
     summary_ids: torch.Tensor  # [n_full] summary id of each complete logical block (one node:
     # also its host block)
-    slab_tokens: torch.Tensor  # [K+1] first device token slot of each slot
+    slab_tokens: torch.Tensor  # [K+1] first device token slot of each attended slot (Slab)
     summary_start: int | None = None  # summary_ids[0] when they are one run (a view)
 
 
@@ -124,11 +125,13 @@ class SparseKV:
     _batches: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = field(default_factory=dict)
     _pending: SparseCounters = field(default_factory=SparseCounters)  # jobs' counts
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    slab: Slab = field(init=False)  # the slot layout of every request's slab
 
     _mark: float | None = None  # trace: when the foreground's current layer began
     _step_start: float = 0.0
 
     def __post_init__(self) -> None:
+        self.slab = Slab(self.cfg.top_k, self.cfg.block_size)
         if not self.fetch_cap:
             self.fetch_cap = self.cfg.fetch_cap
         if self.cfg.f_hbm == "auto":
@@ -229,59 +232,53 @@ class SparseKV:
         self.counters.add(pending)
 
     def _decode(self, seq: Sequence, attn: SeqAttention | None, pos: int) -> StepDecode:
-        K, B = self.cfg.top_k, self.cfg.block_size
-        full = seq.summary_ids[:pos // B]
+        full = seq.summary_ids[:pos // self.cfg.block_size]
         return StepDecode(seq, attn, pos, torch.tensor(full, dtype=torch.long),
-                          torch.tensor(seq.block_table[:K + 1], dtype=torch.long) * B,
+                          self.slab.slot_starts(seq.block_table),
                           full[0] if full and is_contiguous(full) else None)
 
     def _load(self, d: StepDecode) -> None:
         """First sparse decode step of a request: empty head map; the active block's tokens so
         far come from the host (its complete blocks are admitted by the first selection)."""
         L, _, hkv, _, _ = self.device_kv.shape
-        K = self.cfg.top_k
+        K = self.slab.working
         d.seq.working_set = WorkingSet(torch.full((L, K, hkv), -1, dtype=torch.long),
                                        torch.zeros((L, K, hkv), dtype=torch.long), [False] * L,
                                        [False] * L)
         self.load_slab(d.seq, d.pos)
 
-    def _slab_tokens(self, seq: Sequence) -> torch.Tensor:
-        """Device rows of the request's K working-set slots, [K * B], slot-major."""
-        K, B = self.cfg.top_k, self.cfg.block_size
-        slab = torch.tensor(seq.block_table[:K], dtype=torch.long) * B
-        return (slab[:, None] + torch.arange(B)).flatten()
-
     def slab_kv(self, seq: Sequence) -> torch.Tensor:
         """The request's working-set slots as they are on the device, [L, K, 2, Hkv, B, d]:
         head h's part of slot s holds block head_map[l, s, h] (nothing where that is -1)."""
         L, _, hkv, _, d = self.device_kv.shape
-        K, B = self.cfg.top_k, self.cfg.block_size
-        kv = self.device_kv[:, :, :, self._slab_tokens(seq).to(self.device_kv.device)]
+        K, B = self.slab.working, self.cfg.block_size
+        tokens = self.slab.working_tokens(seq.block_table).to(self.device_kv.device)  # [K*B]
+        kv = self.device_kv[:, :, :, tokens]
         return kv.view(L, 2, hkv, K, B, d).permute(0, 3, 1, 2, 4, 5).cpu()
 
     def load_slab(self, seq: Sequence, pos: int, slots: torch.Tensor | None = None) -> None:
         """Fills the request's slab: each layer's working-set blocks into their (slot, head),
         from the host or, given `slots` ([L, K, 2, Hkv, B, d], slab_kv of another engine),
         from there; then the active block's tokens before `pos`; empty slots are zeroed."""
-        K, B = self.cfg.top_k, self.cfg.block_size
-        slab = torch.tensor(seq.block_table[:K + 1], dtype=torch.long) * B  # [K+1]
+        B = self.cfg.block_size
+        slab = self.slab.slot_starts(seq.block_table)  # [K+1]
         # Empty slots are masked out, but 0 * NaN is NaN in probs @ V: clear the slab's bytes
         # (draft slots included: attention reads them all, the step's drafts' K/V in a few).
-        for block in seq.block_table[:self.cfg.slab_blocks]:
+        for block in seq.block_table[:self.slab.blocks]:
             self.device_kv[:, :, :, block * B:(block + 1) * B] = 0
         if slots is not None:
             L, _, _, hkv, _, d = slots.shape
             empty = (seq.working_set.head_map < 0)[:, :, None, :, None, None]  # [L, K, 1, Hkv]
             kv = slots.masked_fill(empty, 0).permute(0, 2, 3, 1, 4, 5).reshape(L, 2, hkv, -1, d)
-            self.device_kv[:, :, :, self._slab_tokens(seq).to(self.device_kv.device)] = \
-                kv.to(self.device_kv)
+            tokens = self.slab.working_tokens(seq.block_table).to(self.device_kv.device)
+            self.device_kv[:, :, :, tokens] = kv.to(self.device_kv)
             moved = kv.numel()
         else:
             moved = self._gather_working_set(seq, slab)
         filled = pos % B
         if filled:
             src = self.host_block(seq, pos // B) * B
-            dst = int(slab[K])
+            dst = int(slab[self.slab.active])
             self.device_kv[:, :, :, dst:dst + filled] = self.host_kv[:, :, :, src:src + filled]
             moved += self.device_kv[:, :, :, :filled].numel()
         self._count(h2d_bytes=moved * self.device_kv.element_size())
@@ -328,8 +325,8 @@ class SparseKV:
         is dropped (a failed step or stage) reloads its active block from there intact."""
         if not decodes:
             return
-        K, B = self.cfg.top_k, self.cfg.block_size
-        src = torch.tensor([int(d.slab_tokens[K]) + d.pos % B for d in decodes])
+        B, active = self.cfg.block_size, self.slab.active
+        src = torch.tensor([int(d.slab_tokens[active]) + d.pos % B for d in decodes])
         dst = torch.tensor([self.host_block(d.seq, d.pos // B) * B + d.pos % B for d in decodes])
         tokens = self.device_kv[:, :, :, src.to(self.device_kv.device)]  # [L, 2, Hkv, n, d]
         self.host_kv[:, :, :, dst] = tokens.to(self.host_kv.device)
@@ -338,7 +335,7 @@ class SparseKV:
     def commit_token(self, seq: Sequence, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """An accepted draft's K/V ([L, Hkv, d] each) joins the active block at `pos`, on the
         host too; when it completes the block, the block fills as after any decode step."""
-        K, B = self.cfg.top_k, self.cfg.block_size
+        B = self.cfg.block_size
         self.flush()  # the active slot may still be read by the step's fill jobs
         block = pos // B
         host = self.host_block(seq, block) * B + pos % B
@@ -349,7 +346,7 @@ class SparseKV:
                 keys = self.host_kv[:, 0, :, host + 1 - B:host + 1]  # [L, Hkv, B, d]
                 self._summarize(torch.tensor([seq.summary_ids[block]]), keys[:, :, None])
             return
-        slot = seq.block_table[K] * B + pos % B
+        slot = self.slab.active_token(seq.block_table, pos)
         self.device_kv[:, 0, :, slot] = k
         self.device_kv[:, 1, :, slot] = v
         if (pos + 1) % B == 0:
@@ -383,8 +380,8 @@ class SparseKV:
 
     def _fill(self, d: StepDecode, ws: WorkingSet, block: int, host: int, summary: int,
               run: slice, step: int) -> None:
-        K, B = self.cfg.top_k, self.cfg.block_size
-        active = int(d.slab_tokens[K])
+        B = self.cfg.block_size
+        active = int(d.slab_tokens[self.slab.active])
         kv = self.device_kv[run]  # [n, 2, Hkv, slots, d]
         chunk = kv[:, :, :, active:active + B]  # [n, 2, Hkv, B, d]
         self.host_kv[run, :, :, host * B:(host + 1) * B] = chunk
