@@ -34,7 +34,7 @@ from oasiskv.kv.device_budget import (
 from oasiskv.kv.remote_tier import RemoteTier, open_store
 from oasiskv.kv.rerank import warm_up_rerank
 from oasiskv.kv.residency import SparseKV
-from oasiskv.kv.select_jobs import warm_up_scores
+from oasiskv.kv.scorers import warm_up_scores
 from oasiskv.kv.summaries import warm_up_key_copy
 from oasiskv.layers.linear import pack_linears
 from oasiskv.layers.sampler import sample, verify_draft
@@ -105,7 +105,7 @@ class LLMEngine:
                          "step_failures": 0, "drafts": 0, "drafts_right": 0, "spec_accepted": 0,
                          "prefix_reused_tokens": 0}
         self.host_cache_peak = 0  # remote store: most host blocks a finished request held
-        lookahead = config.cache.kv_mode == "sparse" and config.cache.predictor == "lookahead"
+        lookahead = self.sparse is not None and self.sparse.predictor.uses_drafts
         self.speculative = config.spec.speculative == "accept"
         self.drafter = None
         if lookahead or self.speculative:

@@ -34,10 +34,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from oasiskv.config import CRITICAL_PATH, CacheConfig
+from oasiskv.config import CacheConfig
 from oasiskv.context import SeqAttention
 from oasiskv.engine.sequence import Sequence
 from oasiskv.kv.blocks import is_contiguous
+from oasiskv.kv.predictors import Predictor, make_predictor
 from oasiskv.kv.select import insert_block, mixed_queries
 from oasiskv.kv.select_jobs import SelectJob
 from oasiskv.kv.slab import Slab
@@ -126,12 +127,14 @@ class SparseKV:
     _pending: SparseCounters = field(default_factory=SparseCounters)  # jobs' counts
     _lock: threading.Lock = field(default_factory=threading.Lock)
     slab: Slab = field(init=False)  # the slot layout of every request's slab
+    predictor: Predictor = field(init=False)  # cfg.predictor's: when and how blocks are chosen
 
     _mark: float | None = None  # trace: when the foreground's current layer began
     _step_start: float = 0.0
 
     def __post_init__(self) -> None:
         self.slab = Slab(self.cfg.top_k, self.cfg.block_size)
+        self.predictor = make_predictor(self.cfg)
         if not self.fetch_cap:
             self.fetch_cap = self.cfg.fetch_cap
         if self.cfg.f_hbm == "auto":
@@ -460,11 +463,10 @@ class SparseKV:
         request's first decode step, when no earlier step chose its blocks) the step's own
         query q[row] ([N, H, d]) selects here, on the critical path. Then sets each request's
         masks."""
-        B = self.cfg.block_size
+        B, critical = self.cfg.block_size, self.predictor.critical_path
         picks = []
         for d in self._decodes:
-            ws = d.seq.working_set
-            if self.cfg.predictor in CRITICAL_PATH or not ws.primed[layer]:
+            if critical or not d.seq.working_set.primed[layer]:
                 picks.append((d, q[d.attn.q_start][None]))
         if picks:  # on the critical path, with the stages' error reporting and trace spans
             job = SelectJob(self, [layer], picks, self.step)
@@ -495,16 +497,15 @@ class SparseKV:
         """After layer `layer`'s attention has read the slab: submits the prediction of the
         next step's blocks (lookahead: the drafts' weighted query; previous: this step's
         query) and their fetch to the pipeline, so the next step only attends."""
-        if self.cfg.predictor in CRITICAL_PATH or not self._decodes:
+        if self.predictor.critical_path or not self._decodes:
             return
         decodes = [d for d in self._decodes
                    if not (self.frozen and all(d.seq.working_set.seeded))]
         if not decodes:
             return
-        # the predicting rows: lookahead, the drafts' (their mean weighted by each one's
-        # chance of being taken: greedy, the first); previous, the step's own
-        rows = [(d.attn.draft_rows if self.cfg.predictor == "lookahead" else []) or
-                [d.attn.q_start] for d in decodes]
+        # the predicting rows (lookahead: the drafts', their mean weighted by each one's
+        # chance of being taken, greedy: the first; previous: the step's own)
+        rows = [self.predictor.query_rows(d.attn) for d in decodes]
         weights = [d.seq.draft_weights for d in decodes]
         if len({len(r) for r in rows}) == 1:  # one gather for the batch (a copy: jobs keep it)
             queries = mixed_queries(q[torch.tensor(rows, device=q.device)], weights)  # [R, H, d]

@@ -7,20 +7,11 @@ runs them in order, inline or in workers."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
 
-from oasiskv.kv.rerank import rerank_layers
-from oasiskv.kv.select import (
-    aggregated_scores,
-    block_mass,
-    select_capped_lru_batch,
-    summary_weights,
-    weighted_scores,
-)
-from oasiskv.kv.summaries import summary_rows
+from oasiskv.kv.select import select_capped_lru_batch
 
 if TYPE_CHECKING:
     from oasiskv.kv.residency import SparseKV, StepDecode
@@ -32,50 +23,6 @@ def pinned_blocks(lengths: torch.Tensor, n: int, sink: int, recent: int) -> torc
     idx = torch.arange(n)[None, :]
     real = idx < lengths[:, None]
     return real & ((idx < sink) | (idx >= lengths[:, None] - recent))
-
-
-def requests_view(pool: torch.Tensor, requests: int, n: int, stride: int,
-                  first: int) -> torch.Tensor:
-    """Summaries [layers, rows, Hkv, d] of requests whose runs of n rows lie `stride` rows
-    apart from row `first`, as one view [layers, requests, n, Hkv, d] (no copy). With
-    summary_splits S a request's n blocks are n*S rows (`summaries.summary_rows`)."""
-    inner = pool.stride(1)
-    return pool.as_strided((pool.shape[0], requests, n, *pool.shape[2:]),
-                           (pool.stride(0), stride * inner, *pool.stride()[1:]),
-                           pool.storage_offset() + first * inner)
-
-
-def warm_up_scores(kmin: torch.Tensor, aggregation: str = "sum", group: int = 1,
-                   splits: int = 1) -> None:
-    """Compiles the block scoring (`weighted_scores`) for the shapes selections pass: one layer
-    (a request's first step, a per-layer job) or a run of layers (sync's step end), a batch's
-    summaries as one strided view or one request's alone; so that no request's step waits for
-    it. kmin: a summary pool [L, summary ids, Hkv, d] (its kind of tensor). Tensor kinds, grad
-    mode, aliasing and equal sizes are all guards of the compiled code, so the inputs are views
-    of normal tensors taken in inference mode, as in a step, with sizes unlike each other.
-    With a score aggregation other than sum, its per-head scoring (`aggregated_scores`) instead,
-    for queries of `group` heads per KV head (a size of 1 is a guard too), and `splits`
-    summary rows per block (summary_splits)."""
-    L, _, hkv, d = kmin.shape
-    S = splits
-    pools = [torch.zeros(L, 61 * S, hkv, d, dtype=kmin.dtype, device=kmin.device)
-             for _ in range(2)]  # 61 ids a layer: not a multiple of the requests' stride
-    with torch.inference_mode():
-        for layers in sorted({1, L}):
-            # 5 x 7 ids, 11 apart
-            batch = [requests_view(x[:layers], 5, 7 * S, 11 * S, 0) for x in pools]
-            for lo, hi in (batch, [x[:layers, :7 * S] for x in pools]):
-                q = torch.zeros(*lo.shape[:-3], hkv * group, d, device=kmin.device)
-                if aggregation == "sum":
-                    weighted_scores(lo, hi, *summary_weights(q, hkv), S)
-                    continue
-                past = torch.zeros((*lo.shape[:-3], 7), dtype=torch.bool, device=kmin.device)
-                scale = torch.ones(lo.shape[:-3], device=kmin.device)
-                if lo.dim() == 5:  # the batch view: scales [layers, 1], past [R, n]
-                    past, scale = past[0], scale[:, :1]
-                else:  # one request: scales [layers], past [n]
-                    past = past[0]
-                aggregated_scores(q, lo, hi, past, scale, aggregation, 1.0, S)
 
 
 class SelectJob:
@@ -110,113 +57,25 @@ class SelectJob:
                 hook(layer, [d.seq for d, _ in self.picks])
 
     def predict(self) -> None:
-        """Scores every request's complete blocks with its query; per-head top-K."""
+        """Scores every request's complete blocks with its query (the predictor's scorers in
+        turn, pinned blocks +inf after each); per-head top-K."""
         self._hook("predict")
         if not self.picks:
             return
         kv, K = self.kv, self.kv.cfg.top_k
         n = self.ids.shape[1]
-        scores = (self._attention_mass(n) if kv.cfg.predictor == "oracle"
-                  else self._summary_scores(n))  # [layers, R, Hkv, n]
         pinned = None
         if kv.cfg.sink_blocks or kv.cfg.recent_blocks:
             pinned = pinned_blocks(self.lengths, n, kv.cfg.sink_blocks,
                                    kv.cfg.recent_blocks)[:, None, :]  # [R, 1, n]
-            scores.masked_fill_(pinned, float("inf"))
-        if kv.cfg.reranks:
-            scores = self._rerank(scores)
+        scores = None
+        for scorer in kv.predictor.scorers:
+            scores = scorer.score(self, scores)  # [layers, R, Hkv, n]
             if pinned is not None:
                 scores.masked_fill_(pinned, float("inf"))
         top = torch.topk(scores, min(K, n), dim=-1, sorted=True).indices  # [layers, R, Hkv, k]
         real = torch.arange(top.shape[-1]) < self.lengths.clamp(max=K)[:, None]  # [R, k]
         self.predicted = top.masked_fill(~real[:, None, :], -2)
-
-    def _summary_scores(self, n: int) -> torch.Tensor:
-        """Each request's block scores over its complete blocks' summaries in each layer:
-        [layers, R, Hkv, n], -inf past a request's blocks."""
-        kv, R, S = self.kv, len(self.picks), self.kv.cfg.summary_splits
-        kmin, kmax = kv.kmin[self.run], kv.kmax[self.run]  # [layers, summary ids * S, Hkv, d]
-        hkv, alpha = kmin.shape[2], kv.cfg.score_alpha
-        stride = self._summary_stride(n, kmin.shape[1] // S)
-        aggregation = kv.cfg.score_aggregation
-        scales = self._scales(kmin)  # [layers]
-        if stride:  # equal strides: the batch's summaries are one view, scored in one call
-            first = self.picks[0][0].summary_start
-            lo, hi = (requests_view(x, R, n * S, stride * S, first * S) for x in (kmin, kmax))
-            queries = torch.stack([q for _, q in self.picks], 1)  # [layers, R, H, d]
-            past = torch.arange(n)[None, :] >= self.lengths[:, None]  # another request's
-            if aggregation != "sum":  # per query head, normalised over each request's blocks
-                return aggregated_scores(queries, lo, hi, past, scales[:, None], aggregation,
-                                         alpha, S)
-            weights = summary_weights(queries, hkv, alpha)
-            scores = weighted_scores(lo, hi, *weights, S)  # weights [layers, R, Hkv, d]
-            return scores.masked_fill_(past[:, None, :], float("-inf"))
-        scores = torch.full((len(self.layers), R, hkv, n), float("-inf"))
-        for r, (d, q) in enumerate(self.picks):
-            m = len(d.summary_ids)
-            if d.summary_start is not None:  # one run of summaries: a view, no gather
-                run = slice(d.summary_start * S, (d.summary_start + m) * S)
-                lo, hi = kmin[:, run], kmax[:, run]
-            else:
-                rows = summary_rows(d.summary_ids, S)
-                lo, hi = kmin.index_select(1, rows), kmax.index_select(1, rows)
-            # the request's own weights [layers, Hkv, d], strided as warm_up_scores compiled
-            # for (a slice of the batch's would not be)
-            if aggregation != "sum":
-                past = torch.zeros(m, dtype=torch.bool)
-                scores[:, r, :, :m] = aggregated_scores(q, lo, hi, past, scales, aggregation,
-                                                        alpha, S)
-                continue
-            scores[:, r, :, :m] = weighted_scores(lo, hi, *summary_weights(q, hkv, alpha), S)
-        return scores
-
-    def _scales(self, kmin: torch.Tensor) -> torch.Tensor:
-        """The attention scale of each of the job's layers, [layers] (1/sqrt(d) when the
-        engine gave none)."""
-        scales = self.kv.scales or [kmin.shape[-1] ** -0.5] * (self.run.stop)
-        return torch.tensor([scales[layer] for layer in self.layers], dtype=torch.float32)
-
-    def _rerank(self, scores: torch.Tensor) -> torch.Tensor:
-        """The best rerank*K blocks by summary score, re-scored by the predicting query's
-        attention over their keys in the host tier (one node: a summary id is a host block)
-        or the device's int8 copy, all the job's layers at once: [layers, R, Hkv, n]."""
-        kv, B = self.kv, self.kv.cfg.block_size
-        c = math.ceil(kv.cfg.rerank * kv.cfg.top_k)
-        queries = torch.stack([q for _, q in self.picks], 1)  # [layers, R, H, d]
-        scales = torch.tensor([kv.scales[layer] for layer in self.layers])
-        if kv.key_codes is not None:  # [layers, summary ids, Hkv, d, B], scales [.., Hkv]
-            return rerank_layers(scores, queries, scales, c, self.ids, kv.key_codes[self.run],
-                                 kv.key_scales[self.run])
-        keys = kv.host_kv[self.run, 0].unflatten(2, (-1, B)).transpose(1, 2)  # [.., n, Hkv, B, d]
-        return rerank_layers(scores, queries, scales, c, self.ids, keys)
-
-    def _attention_mass(self, n: int) -> torch.Tensor:
-        """oracle: each complete block's share of the step's true attention (over complete
-        blocks), summed over the KV head's query heads: [layers, R, Hkv, n], -inf past a
-        request's blocks. Reads every key from the host tier (one node: a summary id is a host
-        block)."""
-        kv, B = self.kv, self.kv.cfg.block_size
-        hkv = kv.host_kv.shape[2]
-        scores = torch.full((len(self.layers), len(self.picks), hkv, n), float("-inf"))
-        for j, layer in enumerate(self.layers):
-            keys = kv.host_kv[layer][0]  # [Hkv, host slots, d]
-            for r, (d, q) in enumerate(self.picks):
-                slots = (d.summary_ids[:, None] * B + torch.arange(B)).flatten()
-                mass = block_mass(q[j], keys.index_select(1, slots), kv.scales[layer], B)
-                scores[j, r, :, :len(d.summary_ids)] = mass.view(hkv, -1, len(d.summary_ids)
-                                                                 ).sum(1)
-        return scores
-
-    def _summary_stride(self, n: int, num_ids: int) -> int:
-        """The distance between consecutive requests' summary runs when it is one stride of
-        at least `n` (requests reserved side by side: `BlockPool.take_run`), else 0."""
-        starts = [d.summary_start for d, _ in self.picks]
-        if len(starts) < 2 or None in starts:
-            return 0
-        stride = starts[1] - starts[0]
-        ok = (stride >= n and starts[-1] + n <= num_ids
-              and all(s == starts[0] + i * stride for i, s in enumerate(starts)))
-        return stride if ok else 0
 
     def select(self) -> None:
         """Hits stay; up to the cap of misses replace LRU victims (head maps updated)."""
