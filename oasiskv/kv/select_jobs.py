@@ -14,7 +14,8 @@ import torch
 from oasiskv.kv.select import select_capped_lru_batch
 
 if TYPE_CHECKING:
-    from oasiskv.kv.residency import SparseKV, StepDecode
+    from oasiskv.kv.residency import SparseKV
+    from oasiskv.kv.working_set import StepDecode
 
 
 def pinned_blocks(lengths: torch.Tensor, n: int, sink: int, recent: int) -> torch.Tensor:
