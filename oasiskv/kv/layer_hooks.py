@@ -97,7 +97,7 @@ class SparseLayerHooks:
             return
         # the predicting rows (lookahead: the drafts', their mean weighted by each one's
         # chance of being taken, greedy: the first; previous: the step's own)
-        rows = [self.predictor.query_rows(d.attn) for d in decodes]
+        rows = self.predictor.query_rows([d.attn for d in decodes])
         weights = [d.seq.draft_weights for d in decodes]
         if len({len(r) for r in rows}) == 1:  # one gather for the batch (a copy: jobs keep it)
             queries = mixed_queries(q[torch.tensor(rows, device=q.device)], weights)  # [R, H, d]

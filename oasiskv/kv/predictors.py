@@ -38,21 +38,21 @@ class Predictor:
             stages += (Rerank(rerank_candidates(cfg.rerank, cfg.top_k)),)
         return cls(stages)
 
-    def query_rows(self, attn: SeqAttention) -> list[int]:
-        """Rows of the step's batch whose queries predict the request's next blocks (after
-        the layer's attention; a critical-path predictor selects with the step's row before
-        it instead)."""
-        return [attn.q_start]
+    def query_rows(self, attns: list[SeqAttention]) -> list[list[int]]:
+        """Per request, the rows of the step's batch whose queries predict its next blocks
+        (after the layer's attention; a critical-path predictor selects with the step's row
+        before it instead). One call a layer for the batch."""
+        return [[a.q_start] for a in attns]
 
 
 class Lookahead(Predictor):
     name = "lookahead"
     uses_drafts = True
 
-    def query_rows(self, attn: SeqAttention) -> list[int]:
+    def query_rows(self, attns: list[SeqAttention]) -> list[list[int]]:
         # every draft's row (mixed by their weights: `select.mixed_queries`); a step without
         # drafts predicts as previous does
-        return attn.draft_rows or [attn.q_start]
+        return [a.draft_rows or [a.q_start] for a in attns]
 
 
 class Previous(Predictor):

@@ -89,7 +89,8 @@ class SelectJob:
         head_map = torch.stack([ws.head_map[self.run] for ws in wss], 1)
         last_used = torch.stack([ws.last_used[self.run] for ws in wss], 1)
         k = self.predicted.shape[-1]
-        caps = torch.tensor([[kv.fetch_cap if ws.seeded[layer] else k for ws in wss]
+        cap = kv.fetch_cap
+        caps = torch.tensor([[cap if ws.seeded[layer] else k for ws in wss]
                              for layer in self.layers])  # [layers, R]
         sel = select_capped_lru_batch(head_map.flatten(0, 1), last_used.flatten(0, 1),
                                       self.predicted.flatten(0, 1), caps.flatten(), self.step)

@@ -13,7 +13,7 @@ reserves) is `blocks` (tests/kv/test_slab.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,41 +22,21 @@ import torch
 class Slab:
     top_k: int  # K: working-set slots
     block_size: int  # B: token slots per block
+    # derived once (plain attributes: read in every step, not recomputed by a call)
+    working: int = field(init=False)  # working-set slots: slots 0 .. K-1
+    active: int = field(init=False)  # the active block's slot: K
+    draft: int = field(init=False)  # the draft block's slot: K+1
+    attended: int = field(init=False)  # slots attention reads: working set + active block
+    blocks: int = field(init=False)  # device blocks of the slab: attended + the draft block
+    attended_tokens: int = field(init=False)  # token slots attention reads (its kv_len)
+    draft_tokens: int = field(init=False)  # token slots of the draft block: drafts it holds
 
-    @property
-    def working(self) -> int:
-        """Working-set slots: slots 0 .. K-1."""
-        return self.top_k
-
-    @property
-    def active(self) -> int:
-        """The active block's slot."""
-        return self.top_k
-
-    @property
-    def draft(self) -> int:
-        """The draft block's slot."""
-        return self.top_k + 1
-
-    @property
-    def attended(self) -> int:
-        """Slots attention reads as the request's KV: the working set and the active block."""
-        return self.top_k + 1
-
-    @property
-    def blocks(self) -> int:
-        """Device blocks of the slab: attended slots and the draft block."""
-        return self.top_k + 2
-
-    @property
-    def attended_tokens(self) -> int:
-        """Token slots attention reads as the request's KV (its `kv_len`)."""
-        return self.attended * self.block_size
-
-    @property
-    def draft_tokens(self) -> int:
-        """Token slots of the draft block: drafts whose K/V the slab can hold."""
-        return self.block_size
+    def __post_init__(self) -> None:
+        K, B = self.top_k, self.block_size
+        for name, value in (("working", K), ("active", K), ("draft", K + 1),
+                            ("attended", K + 1), ("blocks", K + 2),
+                            ("attended_tokens", (K + 1) * B), ("draft_tokens", B)):
+            object.__setattr__(self, name, value)
 
     def slot_starts(self, table: list[int]) -> torch.Tensor:
         """First device token slot of each attended slot, [K+1] (the active block's last)."""

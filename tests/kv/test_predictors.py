@@ -42,15 +42,15 @@ def stages(predictor) -> list:
 def test_lookahead():
     p = make_predictor(CacheConfig(kv_mode="sparse", predictor="lookahead", rerank=0))
     assert (p.critical_path, p.uses_drafts) == (False, True)
-    assert p.query_rows(WITH_DRAFTS) == [9, 10]  # the drafts' (mixed by their weights)
-    assert p.query_rows(NO_DRAFTS) == [4]  # no drafts this step: the step's own
+    # the drafts' (mixed by their weights); no drafts this step: the step's own
+    assert p.query_rows([WITH_DRAFTS, NO_DRAFTS]) == [[9, 10], [4]]
     assert stages(p) == [(QuestBound, None)]
 
 
 def test_previous():
     p = make_predictor(CacheConfig(kv_mode="sparse", predictor="previous", rerank=0))
     assert (p.critical_path, p.uses_drafts) == (False, False)
-    assert p.query_rows(WITH_DRAFTS) == [4]
+    assert p.query_rows([WITH_DRAFTS, NO_DRAFTS]) == [[4], [4]]
     assert stages(p) == [(QuestBound, None)]
 
 
