@@ -98,7 +98,6 @@ def _field(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
-CRITICAL_PATH = ("exact", "oracle")  # predictors that select for the step itself
 DRAFTERS = ("self", "ngram", "resync", "model")
 HEAD_DRAFTERS = ("eagle", "resync-eagle")  # NAME:DIR runs a head made by `oasiskv train-drafter`
 

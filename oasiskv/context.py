@@ -1,18 +1,17 @@
 """The per-step context that attention layers read (nano-vllm's set_context idiom).
 
 The runner builds it once per step; model files never see it, only `layers/attention.py`.
+What attention calls per layer on the sparse side is the `LayerHooks` protocol, which
+`kv/residency.SparseKV` and the recall tool's probe (`eval/recall_probe.RecallProbe`)
+implement; this module knows neither.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol, runtime_checkable
 
 import torch
-
-if TYPE_CHECKING:
-    from oasiskv.kv.residency import SparseKV
-    from oasiskv.layers.attention import SlabGroup
 
 
 @dataclass
@@ -54,10 +53,37 @@ class KVWrite:
 
 
 @dataclass
+class SlabGroup:
+    """Sparse decodes attended in one batch: equal slabs, draft slots and draft counts
+    (`layers/attention.slab_groups` builds them once a step)."""
+
+    rows: torch.Tensor  # [R, 1+m] each request's normal row, then its drafts' rows
+    seqs: list[SeqAttention]  # sorted by slab
+    in_place: bool  # the windows (slab + draft slots) are one run of the pool, read as a view
+    hidden: torch.Tensor  # [1+m, 1, draft slots]: row 0 sees no draft slot, row 1+i slot i
+
+
+@runtime_checkable
+class LayerHooks(Protocol):
+    """What attention calls on `StepContext.sparse` in every layer of a step, in this order,
+    its layer counted from the first sparse one (with dense_layers=N, model layer N+i is its i)."""
+
+    def wait_layer(self, layer: int) -> None:
+        """Before the layer's K/V writes: whatever must land in its slots first (prefetch)."""
+
+    def prepare_layer(self, layer: int, q: torch.Tensor) -> None:
+        """After the writes, before attention: q [N, H, d] the step's queries; sets each
+        sparse decode's masks (`SeqAttention.kv_valid`, `draft_valid`)."""
+
+    def after_attention(self, layer: int, q: torch.Tensor) -> None:
+        """After attention has read the layer's slots: q [N, H, d] as above."""
+
+
+@dataclass
 class StepContext:
     writes: list[KVWrite] = field(default_factory=list)
     seqs: list[SeqAttention] = field(default_factory=list)
-    sparse: SparseKV | None = None  # selects and fetches working sets before attention
+    sparse: LayerHooks | None = None  # selects and fetches working sets before attention
     # layer -> (k, v) [N, Hkv, d] of the step's rows, kept when drafts may be accepted
     draft_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     # attention's batches of equal sparse slabs (layers/attention.slab_groups), set by the

@@ -83,7 +83,7 @@ class Sequence:
     # prefill worker: the one it left with
     handoff: object | None = None
     host_budget: int | None = None  # a handed-over request: host blocks its cache will own
-    working_set: object | None = None  # sparse: kv.residency.WorkingSet once decoding
+    working_set: object | None = None  # sparse: kv.working_set.WorkingSet once decoding
     draft_tokens: list[int] = field(default_factory=list)  # guesses of the next token
     # how likely each is to be taken next, up to a factor (`spec.drafters.sampling_weights`;
     # None: equal): the lookahead's query is the drafts' mean with these weights

@@ -1,7 +1,7 @@
 """Selection cost of the scoring options (issue 41) per decode step, side by side in one run,
 at SmolLM2-135M's shapes: 30 layers, 9 query heads over 3 KV heads, d=64, 448 complete blocks
 (7K tokens) per request, batch 6, bf16 summaries side by side (the batched path of
-`SelectJob._summary_scores`). Random data: this times the scoring, not its accuracy.
+`kv/scorers.QuestBound`). Random data: this times the scoring, not its accuracy.
 
   python scripts/bench_scoring.py [--repeats 30] [--threads 1]
 
@@ -21,9 +21,9 @@ import time
 import torch
 
 from oasiskv.kv.rerank import rerank_layers
+from oasiskv.kv.scorers import requests_view
 from oasiskv.kv.select import aggregated_scores, rerank_by_mass, summary_weights, weighted_scores
 from oasiskv.kv.summaries import dequantize_keys, quantize_keys
-from oasiskv.prefetch.stages import requests_view
 
 L, H, HKV, D, N, R, B, K = 30, 9, 3, 64, 448, 6, 16, 128
 
@@ -88,7 +88,7 @@ def main() -> None:
     report(f"summary scoring, {L} layers x {R} requests x {N} blocks:",
            timed(scoring, args.repeats))
 
-    # the rerank's second stage: the engine's (kv/rerank.rerank_layers, what SelectJob._rerank
+    # the rerank's second stage: the engine's (kv/rerank.rerank_layers, what kv/scorers.Rerank
     # calls, all layers at once) beside the reference it replaced (select.rerank_by_mass
     # layer by layer over keys gathered per head, the int8 copy dequantized).
     # One layer's data seen by every layer (expanded views: 33 MB, not 2 GB)

@@ -19,6 +19,7 @@ import torch
 from oasiskv.config import EngineConfig, ModelConfig
 from oasiskv.engine.failures import StepFailures
 from oasiskv.engine.scheduler import ScheduledBatch
+from oasiskv.kv.predictors import PREDICTORS
 from oasiskv.layers.sampler import verify_draft
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.sequence import Sequence
@@ -34,7 +35,8 @@ def build_drafter(config: EngineConfig, mc: ModelConfig, model: LlamaForCausalLM
                   make_engine: Callable[..., Any]) -> Drafter | None:
     """The drafter the lookahead predictor or speculative acceptance needs (None: neither);
     a draft model runs in an engine of `make_engine`."""
-    lookahead = config.cache.kv_mode == "sparse" and config.cache.predictor == "lookahead"
+    lookahead = (config.cache.kv_mode == "sparse"
+                 and PREDICTORS[config.cache.predictor].uses_drafts)
     if not (lookahead or config.spec.speculative == "accept"):
         return None
     return make_drafter(config.spec.drafter, config.spec.draft_model, mc.vocab_size,

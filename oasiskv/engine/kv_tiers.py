@@ -30,11 +30,11 @@ from oasiskv.kv.device_budget import (
 from oasiskv.kv.remote_tier import RemoteTier, open_store
 from oasiskv.kv.rerank import warm_up_rerank
 from oasiskv.kv.residency import SparseKV
+from oasiskv.kv.scorers import warm_up_scores
 from oasiskv.kv.summaries import warm_up_key_copy
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.prefetch.executor import make_executor
 from oasiskv.prefetch.pipeline import PrefetchPipeline
-from oasiskv.prefetch.stages import warm_up_scores
 from oasiskv.prefetch.trace import Tracer
 
 log = logging.getLogger(__name__)

@@ -108,12 +108,11 @@ class ModelRunner:
                 pool, slots = "device", self._token_slots(seq.block_table, start, end)
                 attn = self._view(seq.block_table, row, n, end, pool)
             elif is_decode(seq, n):  # sparse decode: into the slab's active slot
-                k = self.sparse.cfg.top_k
-                slab = seq.block_table[:self.sparse.cfg.slab_blocks]  # + active, draft blocks
-                pool = "device"
-                slots = torch.tensor([slab[k] * self.block_size + start % self.block_size])
-                attn = self._view(slab, row, n, (k + 1) * self.block_size, pool)
-                attn.draft_slots = self.block_size
+                slab, pool = self.sparse.slab, "device"
+                slots = torch.tensor([slab.active_token(seq.block_table, start)])
+                attn = self._view(seq.block_table[:slab.blocks], row, n, slab.attended_tokens,
+                                  pool)
+                attn.draft_slots = slab.draft_tokens
                 decodes.append((seq, attn))
             else:  # sparse prefill: K/V go to the host tier, attention reads it there
                 pool, slots = "host", self._token_slots(seq.host_table, start, end)
@@ -133,7 +132,7 @@ class ModelRunner:
                 ids += seq.draft_tokens
                 positions.append(torch.full((m,), seq.num_computed_tokens + 1))
                 if attn.draft_slots:
-                    start = seq.block_table[self.sparse.cfg.top_k + 1] * self.block_size
+                    start = self.sparse.slab.draft_start(seq.block_table)
                     writes["device"][0].append(torch.arange(row, row + m))
                     writes["device"][1].append(start + torch.arange(m))
                 row += m

@@ -95,10 +95,11 @@ class Totals:
 
 
 class RecallProbe:
-    """Set as `ctx.sparse` of a dense decode step (one sequence). Per layer, before attention:
-    completes the block summaries, computes the exact sets of the normal query, scores last
-    step's predictions against them, predicts with the normal query (`previous`) and masks the
-    draft rows to E_t + the active block; after attention: predicts with the draft queries."""
+    """Set as `ctx.sparse` of a dense decode step (one sequence), a `context.LayerHooks`. Per
+    layer, before attention: completes the block summaries, computes the exact sets of the
+    normal query, scores last step's predictions against them, predicts with the normal query
+    (`previous`) and masks the draft rows to E_t + the active block; after attention: predicts
+    with the draft queries."""
 
     def __init__(self, model, device_kv: torch.Tensor, seq: Sequence, block_size: int,
                  top_ks: list[int], previous: bool, totals: Totals,

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from oasiskv.kv.residency import SparseKV, WorkingSet
+from oasiskv.kv.residency import SparseKV
 from oasiskv.kv.select import stamp
 from oasiskv.kv.summaries import round_outward, summary_rows
+from oasiskv.kv.working_set import WorkingSet
 from oasiskv.sequence import RequestMetrics, Sequence
 
 TRANSFERS = ("partial", "slab", "full")

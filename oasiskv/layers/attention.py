@@ -8,24 +8,12 @@ blocks per head, so dense and sparse requests share this code; only the mask dif
 sparse slab has one more block, its draft slots, where a step's drafts write their K/V.)
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oasiskv.context import SeqAttention, get_context
+from oasiskv.context import SeqAttention, SlabGroup, get_context
 from oasiskv.layers import gqa
-
-
-@dataclass
-class SlabGroup:
-    """Sparse decodes attended in one batch: equal slabs, draft slots and draft counts."""
-
-    rows: torch.Tensor  # [R, 1+m] each request's normal row, then its drafts' rows
-    seqs: list[SeqAttention]  # sorted by slab
-    in_place: bool  # the windows (slab + draft slots) are one run of the pool, read as a view
-    hidden: torch.Tensor  # [1+m, 1, draft slots]: row 0 sees no draft slot, row 1+i slot i
 
 
 def slab_groups(seqs: list[SeqAttention], device: torch.device) -> list[SlabGroup]:

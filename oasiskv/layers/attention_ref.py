@@ -7,8 +7,8 @@ and stacked slabs are joined by copies. Not used by the engine."""
 import torch
 import torch.nn.functional as F
 
-from oasiskv.context import SeqAttention
-from oasiskv.layers.attention import Attention, SlabGroup
+from oasiskv.context import SeqAttention, SlabGroup
+from oasiskv.layers.attention import Attention
 
 
 class ReferenceAttention(Attention):

@@ -19,7 +19,7 @@ TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.
                  1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-# sparse counters (kv.residency.SparseCounters) exposed as counters: field -> (name, help)
+# sparse counters (kv.counters.SparseCounters) exposed as counters: field -> (name, help)
 SPARSE_COUNTERS = {
     "predicted": ("sparse_blocks_predicted", "block-heads the sparse predictor chose"),
     "hits": ("sparse_block_hits", "... of them already resident in the device working set"),

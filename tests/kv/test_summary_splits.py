@@ -11,9 +11,9 @@ import torch
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.config import CacheConfig
+from oasiskv.kv.scorers import QuestBound, requests_view
 from oasiskv.kv.select import aggregated_scores, block_scores
 from oasiskv.kv.summaries import round_outward, summarize, summary_rows
-from oasiskv.prefetch.stages import SelectJob, requests_view
 
 B, D, HKV, GROUP = 16, 8, 2, 3
 
@@ -65,7 +65,7 @@ def test_split_scores_are_the_largest_sub_block_bound_and_tighter(splits):
 def test_split_aggregated_scores_take_each_heads_largest_sub_block_before_the_softmax(
         aggregation):
     """The batched path: two requests' rows side by side in one bf16 pool (a strided view, as
-    `SelectJob` scores a batch), each query head's block bound the largest of its sub-blocks',
+    `QuestBound` scores a batch), each query head's block bound the largest of its sub-blocks',
     softmaxed over the request's own blocks, combined over the group."""
     torch.manual_seed(7)
     splits, n, stride, scale = 2, 5, 7, D ** -0.5
@@ -96,8 +96,8 @@ def test_split_aggregated_scores_take_each_heads_largest_sub_block_before_the_so
 
 @pytest.mark.parametrize("aggregation", ["sum", "softmax-sum"])
 @pytest.mark.parametrize("layout", ["side by side", "one run each", "scattered"])
-def test_select_job_scores_each_requests_own_sub_blocks(aggregation, layout):
-    """`SelectJob._summary_scores` over a pool of S rows per summary id, for the three ways a
+def test_quest_bound_scores_each_requests_own_sub_blocks(aggregation, layout):
+    """`scorers.QuestBound` over a pool of S rows per summary id, for the three ways a
     batch's summaries lie (one strided view from a run not at id 0, a run per request, ids
     gathered one by one) equals each request's rows scored alone (summary_rows by hand)."""
     torch.manual_seed(11)
@@ -113,17 +113,17 @@ def test_select_job_scores_each_requests_own_sub_blocks(aggregation, layout):
                else torch.randperm(ids_total)[:m] if r else torch.tensor([30, 1, 7, 25, 12]))
         d_ = SimpleNamespace(summary_ids=ids, summary_start=start)
         picks.append((d_, torch.randn(layers, hkv * GROUP, d) * 2))
-    job = SelectJob.__new__(SelectJob)
+    job = SimpleNamespace(layers=[0, 1], run=slice(0, 2), picks=picks,
+                          lengths=torch.tensor(lengths),
+                          ids=torch.zeros(len(lengths), max(lengths), dtype=torch.long))
     job.kv = SimpleNamespace(
         kmin=kmin, kmax=kmax, scales=[0.3, 0.5],
         cfg=SimpleNamespace(summary_splits=splits, score_alpha=1.0,
                             score_aggregation=aggregation))
-    job.layers, job.run, job.picks = [0, 1], slice(0, 2), picks
-    job.lengths = torch.tensor(lengths)
     n = max(lengths)
     if layout == "side by side":
-        assert job._summary_stride(n, ids_total) == 7
-    got = job._summary_scores(n)  # [layers, R, Hkv, n]
+        assert QuestBound.stride(job, n, ids_total) == 7
+    got = QuestBound().score(job, None)  # [layers, R, Hkv, n]
     for r, (d_, q) in enumerate(picks):
         rows = summary_rows(d_.summary_ids, splits)
         m = len(d_.summary_ids)

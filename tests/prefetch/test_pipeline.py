@@ -195,19 +195,19 @@ def test_f_hbm_auto_picks_the_cap_whose_fetches_fit_in_a_forward_pass(model):
     llm = LLM(model, kv_mode="sparse", top_k=top_k, f_hbm="auto")
     sparse, mc = llm.engine.sparse, llm.engine.model_config
     unit = 2 * 16 * mc.head_dim * 4 * mc.num_layers * mc.num_kv_heads  # fp32, block_size 16
-    assert sparse.fetch_bandwidth > 0
+    assert sparse.cap.bandwidth > 0
     one = prompts(1)
     llm.generate(one, GREEDY, use_tqdm=False)  # one request: one unit per cap
-    assert sparse.forward_s > 0
+    assert sparse.cap.forward_s > 0
     assert llm.stats()["fetch_cap"] == max(1, min(top_k, int(
-        sparse.fetch_bandwidth * sparse.forward_s / unit)))
+        sparse.cap.bandwidth * sparse.cap.forward_s / unit)))
     # a bandwidth at which the cap is 16 at the current forward time; one decode step moves
     # the forward time's moving average (0.8 old + 0.2 new) by far less than 32x
-    sparse.fetch_bandwidth = 16 * unit / sparse.forward_s
+    sparse.cap.bandwidth = 16 * unit / sparse.cap.forward_s
     llm.generate(one, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
                  use_tqdm=False)  # a prefill step, then one decode step
     cap = llm.stats()["fetch_cap"]
-    assert cap == int(sparse.fetch_bandwidth * sparse.forward_s / unit)
+    assert cap == int(sparse.cap.bandwidth * sparse.cap.forward_s / unit)
     assert 12 <= cap < top_k
     with pytest.raises(ValueError, match="f_hbm must be"):
         LLM(model, kv_mode="sparse", f_hbm="sometimes")

@@ -8,8 +8,8 @@ import torch
 from oasiskv import LLM, SamplingParams
 from oasiskv.config import CacheConfig
 from oasiskv.kv.blocks import BlockPool
+from oasiskv.kv.scorers import QuestBound
 from oasiskv.kv.summaries import round_outward
-from oasiskv.prefetch.stages import SelectJob
 
 PARAMS = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 COUNTERS = ("sparse_predicted", "sparse_hits", "sparse_wanted", "sparse_admitted",
@@ -36,13 +36,13 @@ def test_side_by_side_batch_equals_requests_placed_apart(tiny_llama, monkeypatch
               max_num_seqs=4, max_num_batched_tokens=512)
     prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(100)] for i in range(4)]
     strides = []
-    stride_of = SelectJob._summary_stride
+    stride_of = QuestBound.stride
 
-    def spy(self, n, num_ids):
-        strides.append(stride_of(self, n, num_ids))
+    def spy(job, n, num_ids):
+        strides.append(stride_of(job, n, num_ids))
         return strides[-1]
 
-    monkeypatch.setattr(SelectJob, "_summary_stride", spy)
+    monkeypatch.setattr(QuestBound, "stride", staticmethod(spy))
     tokens, tables, stats = run(LLM(str(tiny_llama), **kw), prompts)
     slabs = sorted(t[0] for t in tables)
     slab = CacheConfig(top_k=top_k).slab_blocks
