@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from oasiskv.config import PREDICTORS as NAMES
 from oasiskv.config import CacheConfig
+from oasiskv.config_checks import PREDICTORS as NAMES
 from oasiskv.context import SeqAttention
 from oasiskv.kv.predictors import (
     PREDICTORS,

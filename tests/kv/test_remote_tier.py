@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from oasiskv.disagg.remote_store import BlockKey, InProcessStore, RemoteStoreError
 
 from oasiskv.kv.remote_tier import RemoteTier, namespace_for, open_store, prefix_hashes
+from oasiskv.store.remote_store import BlockKey, InProcessStore, RemoteStoreError
 
 SHAPE = (2, 1, 2, 1)  # [K/V, Hkv, B, d] of one block
 BLOCK_BYTES = 2 * 2 * 4
