@@ -127,7 +127,8 @@ def tiny_eagle(tiny_llama, tmp_path_factory) -> tuple[Path, dict]:
     """An EAGLE-style head trained for tiny_llama on markov_corpus: (its directory, figures)."""
     from oasiskv.config import EngineConfig
     from oasiskv.engine.engine import LLMEngine
-    from oasiskv.train.drafter import TrainSpec, run
+    from oasiskv.train.drafter import run
+    from oasiskv.train.spec import TrainSpec
 
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("eagle")

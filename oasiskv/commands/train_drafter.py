@@ -9,7 +9,7 @@ from pathlib import Path
 
 from oasiskv.config import EngineConfig
 from oasiskv.report import markdown_table
-from oasiskv.train.drafter import TrainSpec
+from oasiskv.train.spec import TrainSpec
 
 COMMANDS = {"train-drafter": "train an EAGLE-style draft head for a model "
                              "(use it with --drafter eagle:OUT)"}

@@ -297,7 +297,7 @@ def test_eagle_drafter_reads_the_prompt_and_each_steps_features(llm, tiny_eagle)
     """The eagle row's drafts are the head's batch forward over the measured trajectory, so
     the prompt's features (from the engine's prefill) and every step's reach it."""
     from oasiskv.spec.drafters import make_drafter
-    from oasiskv.train.drafter import target_features
+    from oasiskv.train.features import target_features
 
     head_dir, _ = tiny_eagle
     spec = RecallSpec([2], ["lookahead"], [f"eagle:{head_dir}"], steps=6)

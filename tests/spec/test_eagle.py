@@ -14,19 +14,17 @@ from oasiskv.engine.engine import LLMEngine
 from oasiskv.spec.drafters import make_drafter
 from oasiskv.spec.eagle import EagleConfig, EagleHead, load_head
 from oasiskv.train.drafter import (
-    TrainSpec,
     draft_vocabulary,
     evaluate,
     head_loss,
     in_loop,
-    load_shards,
     noisy,
-    own_continuations,
-    target_features,
     target_hidden,
     target_to_draft,
     train_head,
 )
+from oasiskv.train.features import load_shards, own_continuations, target_features
+from oasiskv.train.spec import TrainSpec
 
 
 @pytest.fixture
