@@ -73,7 +73,7 @@ def run_setting(kwargs: dict, transfer: str, f_host: float, prompts: list[list[i
     outs = pd.generate(prompts, params, use_tqdm=False,
                        prefix_kv=[load_file(str(f))["kv"] for f in kv_files], on_step=sample)
     wall = time.perf_counter() - t0
-    block_bytes = pd.decode.sparse.remote.store.block_bytes
+    block_bytes = pd.decode.remote.store.block_bytes
     steps = [e for e in list(pd.decode.step_log)[start:] if e["decode_tokens"]]
     timeline = [(e["time_s"], e.get("remote_bytes", 0) / e["time_s"] / 1e9) for e in steps]
     rows = []

@@ -174,7 +174,7 @@ class AsyncEngine:
         for seq in stream.seqs:
             if seq.request_id not in stream.unfinished:  # aborted before it was added
                 if seq.handoff is not None:  # nobody else will drop its blocks
-                    self.engine.sparse.remote.drop_handoff(seq.handoff)
+                    self.engine.remote.drop_handoff(seq.handoff)
                 continue
             try:
                 self.engine.add_sequence(seq)

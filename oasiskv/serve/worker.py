@@ -95,7 +95,7 @@ def _event(item: dict) -> str:
 
 def add_worker_routes(app: FastAPI, state: ServerState, role: str, transfer: str) -> None:
     engine = state.llm.engine
-    remote = engine.sparse.remote if engine.sparse is not None else None
+    remote = engine.remote
     if role not in ROLES:
         raise ValueError(f"--role must be one of {ROLES}, got {role!r}")
     if transfer not in TRANSFERS:
