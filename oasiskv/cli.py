@@ -19,7 +19,6 @@ from oasiskv.bench import pd as bench_pd
 from oasiskv.bench import serve as bench_serve
 from oasiskv.cli_input import Parser
 from oasiskv.commands import generate, pd, train_drafter
-from oasiskv.engine_args import engine_kwargs as engine_kwargs  # its old home: tests import it
 from oasiskv.eval import fidelity, recall_cli, ruler
 from oasiskv.serve import router_cli, server
 

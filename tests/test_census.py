@@ -490,8 +490,9 @@ def test_bad_input_gets_one_clear_error(row: Row, served, bad_files, tiny_llama,
 def test_documented_text_and_exact_numbers_are_still_taken(served, tiny_llama):
     """The other side of refusing wrong types: byte budgets and f_hbm take text, a float field
     an int, a model a Path, SamplingParams a tuple of stops; the CLI's flags parse numbers."""
-    from oasiskv.cli import build_parser, engine_kwargs
+    from oasiskv.cli import build_parser
     from oasiskv.config import EngineConfig
+    from oasiskv.engine_args import engine_kwargs
 
     cfg = EngineConfig.from_kwargs(model=tiny_llama, device_kv_budget="1MiB", f_hbm="auto",
                                    kv_mode="sparse", host_kv_budget=2**20, remote_lend="0",

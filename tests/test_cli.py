@@ -9,8 +9,9 @@ import pytest
 import torch
 import transformers
 
-from oasiskv.cli import build_parser, engine_kwargs, main
+from oasiskv.cli import build_parser, main
 from oasiskv.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from oasiskv.engine_args import engine_kwargs
 
 
 def field_names() -> list[str]:

@@ -8,7 +8,8 @@ import socket
 
 import pytest
 
-from oasiskv.cli import build_parser, engine_kwargs, main
+from oasiskv.cli import build_parser, main
+from oasiskv.engine_args import engine_kwargs
 
 
 def test_serve_flags_reach_the_options_and_the_engine(tiny_llama):
