@@ -60,7 +60,6 @@ if TYPE_CHECKING:
     from oasiskv.kv.remote_tier import RemoteTier
 
 
-
 @dataclass
 class SparseKV(SparseLayerHooks, SlabFills, PromptStore, JobGroups):
     """Selection, local fetch and fills for the sparse requests of each step; attention's

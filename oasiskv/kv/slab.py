@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass
 class Slab:
     top_k: int  # K: working-set slots
     block_size: int  # B: token slots per block
@@ -33,10 +33,11 @@ class Slab:
 
     def __post_init__(self) -> None:
         K, B = self.top_k, self.block_size
-        for name, value in (("working", K), ("active", K), ("draft", K + 1),
-                            ("attended", K + 1), ("blocks", K + 2),
-                            ("attended_tokens", (K + 1) * B), ("draft_tokens", B)):
-            object.__setattr__(self, name, value)
+        self.working = self.active = K
+        self.draft = self.attended = K + 1
+        self.blocks = K + 2
+        self.attended_tokens = (K + 1) * B
+        self.draft_tokens = B
 
     def slot_starts(self, table: list[int]) -> torch.Tensor:
         """First device token slot of each attended slot, [K+1] (the active block's last)."""
