@@ -242,6 +242,26 @@ def test_small_kv_budget_preempts_and_matches(model, ref_llm):
     assert_idle(small)
 
 
+def test_admission_waits_for_the_whole_prompt_not_its_first_chunk(model, ref_llm):
+    """Prompts of 40 tokens (10 blocks of 4) with 32 outputs (18 blocks) in a 30-block pool,
+    prefilled in chunks of 8 tokens (2 blocks). Admitted on its first chunk, a request whose
+    later chunks do not fit is preempted and admitted again on that chunk, over and over (2,
+    6, 5 and 6 times); admitted only when its whole prompt fits, a request is preempted at
+    most once, when the running requests' outputs outgrow the pool."""
+    prompts = rand_prompts(vocab(ref_llm), [40] * 5, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    expected = [o.token_ids for o in gen(make_llm(model, block_size=4), prompts, params)]
+    probe = make_llm(model, block_size=4)
+    tight = make_llm(model, block_size=4, max_num_batched_tokens=8,
+                     device_kv_budget=30 * probe.engine.bytes_per_block)
+    assert tight.engine.pool.num_blocks == 30
+    outs = gen(tight, prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert tight.stats()["preemptions"] > 0  # the pool is tight
+    assert max(o.metrics.num_preemptions for o in outs) == 1
+    assert_idle(tight)
+
+
 # ---------------------------------------------------------------- validation
 
 
