@@ -70,9 +70,9 @@ def report(result: dict) -> None:
           "(output tokens - 1) and E2E over the n completed requests; ITL over every gap "
           "between token chunks (ITL n); goodput = requests meeting the SLO per second"
           + (f"; SLO: {slo}{how}" if slo else " (no SLO given)")
-          + (f"; store->decode: the decode side's store reads and admitted hand-overs per "
-             f"second in each 1 s window of the trace (windows: their number), hand-over per "
-             f"completed request, decode-host KV in use at its peak" if any(
+          + ("; store->decode: the decode side's store reads and admitted hand-overs per "
+             "second in each 1 s window of the trace (windows: their number), hand-over per "
+             "completed request, decode-host KV in use at its peak" if any(
                  r.get("bytes") for r in rows) else "")
           + f". max_num_seqs / llama-server slots {a['max_num_seqs']}, device KV budget "
           f"{a['device_kv_budget']}, {a['threads']} threads. {a.get('time_s', 0):.0f} s.")

@@ -91,7 +91,12 @@ def parse_servers(text: str) -> list[ServerSpec]:
             for key, value in pairs:
                 if key in PD_OPTIONS:
                     check_pd_option(key, value)
-            items = [f"{k}={v}" for k, v in pairs if k not in PD_OPTIONS]
+                if key in ("remote_store", "remote_lend"):
+                    raise ValueError(f"--servers {text!r}: pd sets {key} itself (its Mooncake "
+                                     "master and storage node)")
+            # checked as the workers' CacheConfig: with a remote store (f_host < 1 needs one)
+            items = [f"{k}={v}" for k, v in pairs if k not in PD_OPTIONS] + [
+                "remote_store=inprocess"]
         try:
             parse_sparse(",".join(items) or "default")  # a bad key or value fails here
         except ValueError as e:

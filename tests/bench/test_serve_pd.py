@@ -123,6 +123,7 @@ def test_the_pd_server_kind_is_pd_serve_with_the_threads_shared_out():
                                                 "integer >= 1"),
                        ("pd:store_bytes=lots", "pd option store_bytes"),
                        ("pd:transfer=full,nope=1", "unknown key 'nope'"),
+                       ("pd:remote_store=inprocess", "pd sets remote_store itself"),
                        ("dense,transfer=full", "without a sparse:KEY=VAL or pd:KEY=VAL")):
         with pytest.raises(ValueError) as e:
             parse_servers(bad)
