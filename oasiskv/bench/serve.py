@@ -6,8 +6,12 @@ dense and sparse engines under `oasiskv serve`, and llama.cpp's own `llama-serve
 GGUF; --url points it at one it did not start. Every server gets the same trace
 (`bench/serve_client.py`): per --request-rate, --num-prompts unique Austen prompts of
 --input-len tokens arriving as a seeded Poisson process, each generating --output-len tokens
-(ignore_eos); no prompt is sent twice to a server, so no prompt cache helps. A cell (server,
-rate) reports the figures of `bench/serve_metrics.py`, written to --json as it completes.
+(ignore_eos); no prompt is sent twice to a server, so no prompt cache helps. Or, with
+--shared-prefix-fraction h, the paper's prefill-decode workload (`bench/serve_workload.py`):
+groups of --group-size prompts sharing their first h, one per group sent first to warm the
+store. A cell (server, rate) reports the figures of `bench/serve_metrics.py` and, while its
+trace runs, the bytes reaching the decode side from the store in each 1 s window
+(`bench/serve_bytes.py`), written to --json as it completes.
 
 The SLO is fixed before the sweep: by flags, or by --slo-tpot-x-dense-1 X as X times the TPOT
 of the first server (dense) with one request in flight, measured first in the same run.
@@ -26,8 +30,11 @@ import time
 from pathlib import Path
 
 from oasiskv.bench.common import unique_prompts
+from oasiskv.bench.serve_bytes import ByteSampler
 from oasiskv.bench.serve_client import make_trace, run_trace, served_model
 from oasiskv.bench.serve_metrics import Slo, cell_metrics, distribution
+from oasiskv.bench.serve_report import report
+from oasiskv.bench.serve_workload import check_groups, make_workload, passages_needed
 from oasiskv.bench.servers import (
     KINDS,
     RunningServer,
@@ -36,7 +43,7 @@ from oasiskv.bench.servers import (
     server_command,
     start_server,
 )
-from oasiskv.report import markdown_table, save_json
+from oasiskv.report import save_json
 
 WARMUP_TOKENS = 4  # the untimed first request of each server: prefill and a few steps
 
@@ -45,10 +52,11 @@ def command(args: argparse.Namespace) -> str:
     """The command that repeats this run, every setting spelled out."""
     argv = ["oasiskv", "bench", "serve"]
     for flag in ("url" if args.url else "servers", "model", "input_len", "output_len",
-                 "num_prompts", "request_rate", "max_concurrency", "seed", "slo_tpot_ms",
+                 "num_prompts", "shared_prefix_fraction", "group_size", "request_rate",
+                 "max_concurrency", "seed", "slo_tpot_ms",
                  "slo_ttft_ms", "slo_e2e_ms", "slo_tpot_x_dense_1", "slo_calibration_requests",
                  "max_num_seqs", "device_kv_budget", "dtype", "num_threads", "pareto_json",
-                 "json", "plot"):
+                 "json", "plot", "bytes_plot"):
         if getattr(args, flag) is not None:
             argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     return shlex.join(argv)
@@ -81,6 +89,7 @@ def check_args(args: argparse.Namespace) -> None:
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, "
                              f"got {getattr(args, flag)}")
+    check_groups(args.num_prompts, args.shared_prefix_fraction, args.group_size)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
     x = args.slo_tpot_x_dense_1
@@ -144,6 +153,8 @@ class ServeBench:
         self.result: dict = {
             "bench": "serve", "model": args.model, "input_len": args.input_len,
             "output_len": args.output_len, "num_prompts": args.num_prompts,
+            "shared_prefix_fraction": args.shared_prefix_fraction,
+            "group_size": args.group_size if args.shared_prefix_fraction is not None else None,
             "request_rates": [rate_label(r) for r in self.rates],
             "max_concurrency": args.max_concurrency, "max_num_seqs": args.max_num_seqs,
             "device_kv_budget": args.device_kv_budget, "dtype": args.dtype,
@@ -157,19 +168,24 @@ class ServeBench:
         save_json(self.args.json, self.result)
 
     def prompts(self, tokenizer) -> None:
-        """One pool, sliced: the warm-up prompt, the calibration prompts, then one slice of
-        --num-prompts per rate; every server gets the same slices."""
+        """One pool of passages, sliced: the warm-up prompt, the calibration prompts, then one
+        slice per rate (its workload); every server gets the same slices."""
         a = self.args
         self.n_calib = a.slo_calibration_requests if a.slo_tpot_x_dense_1 else 0
-        count = 1 + self.n_calib + len(self.rates) * a.num_prompts
+        per_rate = passages_needed(a.num_prompts, a.shared_prefix_fraction, a.group_size)
+        count = 1 + self.n_calib + len(self.rates) * per_rate
         pool, self.result["text"] = unique_prompts(tokenizer, count, a.input_len, a.seed)
         if len({tuple(p) for p in pool}) < count:
             raise ValueError(f"the text holds too few distinct {a.input_len}-token prompts for "
                              f"{count} requests")
         self.warmup, self.calib = pool[0], pool[1:1 + self.n_calib]
         rest = pool[1 + self.n_calib:]
-        self.traces = [make_trace(rest[i * a.num_prompts:(i + 1) * a.num_prompts], rate,
-                                  a.seed + i) for i, rate in enumerate(self.rates)]
+        loads = [make_workload(rest[i * per_rate:(i + 1) * per_rate], a.num_prompts,
+                               a.input_len, a.shared_prefix_fraction, a.group_size)
+                 for i in range(len(self.rates))]
+        self.warms = [w.warm for w in loads]
+        self.traces = [make_trace(w.timed, rate, a.seed + i)
+                       for i, (w, rate) in enumerate(zip(loads, self.rates, strict=True))]
 
     def run(self) -> dict:
         from oasiskv.models.loader import load_tokenizer
@@ -219,74 +235,28 @@ class ServeBench:
                   f"TPOT of {server.label} with 1 request in flight, n={tpot['n']}) = "
                   f"{self.slo.tpot_ms:.1f} ms", file=sys.stderr)
         name = setting_name(spec) if spec is not None else None
-        for rate, trace in zip(self.rates, self.traces, strict=True):
-            results, duration = self.trace(server, model, trace,
-                                           f"{server.label} @ {rate_label(rate)} req/s",
-                                           a.max_concurrency)
+        for rate, warm, trace in zip(self.rates, self.warms, self.traces, strict=True):
+            label = f"{server.label} @ {rate_label(rate)} req/s"
             cell = {"server": server.label, "rate": rate_label(rate),
-                    "max_concurrency": a.max_concurrency,
-                    **cell_metrics(results, duration, self.slo),
-                    "accuracy": self.accuracy.get(name) if name else None,
-                    "per_request": [r.as_dict() for r in results]}
+                    "max_concurrency": a.max_concurrency, "warm": None}
+            done = []
+            if warm:  # each group's first request, before the clock starts
+                done, _ = self.trace(server, model, make_trace(warm, math.inf, 0),
+                                     f"{label}: warm", a.max_concurrency)
+                cell["warm"] = {"requests": len(done), "completed": sum(r.ok for r in done),
+                                "per_request": [r.as_dict() for r in done]}
+            with ByteSampler(server.url) as sampler:
+                results, duration = self.trace(server, model, trace, label, a.max_concurrency)
+            cell.update(**cell_metrics(results, duration, self.slo),
+                        store_to_decode=sampler.result(),
+                        accuracy=self.accuracy.get(name) if name else None,
+                        per_request=[r.as_dict() for r in results])
             self.result["cells"].append(cell)
-            for r in results:
+            for r in done + results:
                 if not r.ok and not r.rejected:
                     print(f"warning: {server.label} @ {rate_label(rate)}: request {r.index} "
                           f"failed: {r.error}", file=sys.stderr)
             self.save()  # a later crash keeps this cell
-
-
-def _three(d: dict, scale: float = 1.0) -> str:
-    if not d.get("n"):
-        return ""
-    return " / ".join(f"{d[k] * scale:.3g}" for k in ("p50", "p90", "max"))
-
-
-def table_rows(cells: list[dict]) -> list[dict]:
-    rows = []
-    for c in cells:
-        row = {k: c.get(k) for k in ("server", "rate", "request_throughput",
-                                     "output_throughput", "failed", "rejected", "accuracy")}
-        row["n"] = f"{c['completed']}/{c['requests']}"
-        row["ttft"] = _three(c["ttft_ms"], 1e-3)
-        row["e2e"] = _three(c["e2e_ms"], 1e-3)
-        row["tpot"], row["itl"] = _three(c["tpot_ms"]), _three(c["itl_ms"])
-        row["itl_n"] = c["itl_ms"]["n"]
-        if "good" in c:
-            row["goodput"] = f"{c['goodput']:.3g} ({c['good']}/{c['requests']})"
-        rows.append(row)
-    return rows
-
-
-COLUMNS = [("server", "server"), ("accuracy", "accuracy"), ("rate", "rate req/s"),
-           ("n", "n ok"), ("failed", "failed"), ("rejected", "503"),
-           ("request_throughput", "req/s"), ("output_throughput", "out tok/s"),
-           ("goodput", "goodput req/s (good)"), ("ttft", "TTFT s p50/p90/max"),
-           ("tpot", "TPOT ms p50/p90/max"), ("itl", "ITL ms p50/p90/max"),
-           ("itl_n", "ITL n"), ("e2e", "E2E s p50/p90/max")]
-
-
-def report(result: dict) -> None:
-    a = result
-    conc = f", at most {a['max_concurrency']} in flight" if a["max_concurrency"] else ""
-    print(f"\n## serving, {a['model']}: {a['num_prompts']} requests per rate, "
-          f"{a['input_len']}-token prompts, {a['output_len']} output tokens{conc}\n")
-    columns = [c for c in COLUMNS if c[0] != "accuracy"
-               or any(x.get("accuracy") is not None for x in a["cells"])]
-    print(markdown_table(table_rows(a["cells"]), columns))
-    slo = ", ".join(f"{k[:-3].upper()} <= {v:.3g} ms" for k, v in a["slo"].items() if v)
-    cal = a["calibration"]
-    how = (f" ({cal['x']:g} x the median TPOT of {cal['server']} with one request in flight, "
-           f"{cal['tpot_ms']['p50']:.3g} ms, n={cal['tpot_ms']['n']})" if cal else "")
-    print("\nrate: offered (Poisson arrivals; inf: all at once); n ok: completed / sent; "
-          "503: turned away at saturation (not failures); TTFT, TPOT = (e2e - TTFT) / "
-          "(output tokens - 1) and E2E over the n completed requests; ITL over every gap "
-          "between token chunks (ITL n); goodput = requests meeting the SLO per second"
-          + (f"; SLO: {slo}{how}" if slo else " (no SLO given)")
-          + f". max_num_seqs / llama-server slots {a['max_num_seqs']}, device KV budget "
-          f"{a['device_kv_budget']}, {a['threads']} threads. {a.get('time_s', 0):.0f} s.")
-    for e in a["errors"]:
-        print(f"{e['server']}: {e['error'].splitlines()[0]}")
 
 
 def run_serve_bench(args: argparse.Namespace) -> dict:
@@ -300,6 +270,11 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
 
         plot(result["cells"], args.plot, f"{args.model}: {args.input_len}-token prompts, "
              f"{args.output_len} output tokens", result["slo"]["tpot_ms"])
+    if args.bytes_plot:
+        from oasiskv.bench.serve_plot import plot_bytes
+
+        plot_bytes(result["cells"], args.bytes_plot, f"{args.model}: {args.input_len}-token "
+                   f"prompts, {args.output_len} output tokens")
     return result
 
 
@@ -311,13 +286,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """`bench serve`'s flags."""
     p.add_argument("--servers", default="dense,sparse,llama-server",
                    help=f"servers started here on loopback, one at a time: {', '.join(KINDS)}; "
-                   "sparse:KEY=VAL,... sets CacheConfig fields (top_k=64,f_hbm=0.1)")
+                   "sparse:KEY=VAL,... sets CacheConfig fields (top_k=64,f_hbm=0.1); "
+                   "pd:transfer=partial|slab|full,... is `oasiskv pd --serve` (1 prefill + 1 "
+                   "decode worker and the router; also prefill_workers=, decode_workers=, "
+                   "store_bytes=, CacheConfig fields; f_host goes to the decode workers; the "
+                   "threads are shared out among the workers)")
     p.add_argument("--url", default=None, help="a running server to measure instead")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--input-len", type=int, default=4096, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=1024,
                    help="output tokens per request (ignore_eos)")
-    p.add_argument("--num-prompts", type=int, default=32, help="requests per rate")
+    p.add_argument("--num-prompts", type=int, default=32,
+                   help="requests per rate (with --shared-prefix-fraction: whole groups, the "
+                   "warming ones included)")
+    p.add_argument("--shared-prefix-fraction", type=float, default=None, metavar="H",
+                   help="the paper's PD workload: groups of --group-size prompts that share "
+                   "their first H of --input-len tokens; each group's first request is sent "
+                   "before the timed trace (warms the store)")
+    p.add_argument("--group-size", type=int, default=4,
+                   help="requests per shared-prefix group")
     p.add_argument("--request-rate", default="inf",
                    help="requests per second, comma-separated (Poisson arrivals; inf: all at "
                    "once)")
@@ -351,6 +338,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None, help="keep each server's log here")
     p.add_argument("--json", help="write the figures here, as each cell completes")
     p.add_argument("--plot", help="write TPOT, TTFT and goodput against throughput (PNG)")
+    p.add_argument("--bytes-plot", help="write the store->decode bytes per second over each "
+                   "trace (PNG)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,3 +37,23 @@ def plot(cells: list[dict], path: str, title: str, slo_tpot_ms: float | None = N
         ax.legend(fontsize=7)
     fig.suptitle(title)
     save_figure(fig, path)
+
+
+def plot_bytes(cells: list[dict], path: str, title: str) -> None:
+    """`bench serve --bytes-plot`: the store->decode bytes per second in each 1 s window of
+    each cell's trace, one line per (server, rate), its p99 dotted."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4.4))
+    for c in cells:
+        b = c.get("store_to_decode")
+        if not b or not b["n"]:
+            continue
+        line, = ax.step(b["t_s"], [x / 2**20 for x in b["bytes_per_s"]], where="pre",
+                        label=f"{c['server']} @ {c['rate']} (p99 {b['p99'] / 2**20:.3g})")
+        ax.axhline(b["p99"] / 2**20, color=line.get_color(), linestyle=":", linewidth=1)
+    ax.set_xlabel("seconds into the trace (each step: one window)")
+    ax.set_ylabel("store -> decode MiB/s")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title)
+    save_figure(fig, path)

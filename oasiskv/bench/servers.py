@@ -1,8 +1,10 @@
 """The servers `bench serve` starts itself, on loopback, one at a time: our `oasiskv serve` (dense,
-or sparse with any CacheConfig options) and llama.cpp's own C++ `llama-server` on the same GGUF
-(parallel slots, continuous batching). Each runs as a child process with its output in a log
-file; it is ready once GET /health answers 200, and stopped with SIGTERM (SIGKILL after a
-deadline)."""
+or sparse with any CacheConfig options), prefill-decode disaggregation behind its router
+(`oasiskv pd --serve`: a Mooncake master, a storage node, prefill and decode workers, the
+router; `pd:transfer=...` and CacheConfig options) and llama.cpp's own C++ `llama-server` on
+the same GGUF (parallel slots, continuous batching). Each runs as a child process with its
+output in a log file; it is ready once GET /health answers 200, and stopped with SIGTERM
+(SIGKILL after a deadline)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,14 @@ from pathlib import Path
 import httpx
 
 from oasiskv.bench.sparse_options import parse_sparse
+from oasiskv.config import parse_bytes
+from oasiskv.kv.handoff import TRANSFERS
 
-KINDS = ("dense", "sparse", "llama-server")
+KINDS = ("dense", "sparse", "pd", "llama-server")
+OPTIONED = ("sparse", "pd")  # the kinds that take KEY=VAL options
+# pd's own options (`oasiskv pd --serve` flags); its others are CacheConfig fields as sparse's
+PD_OPTIONS = {"transfer": "partial, slab or full", "prefill_workers": "an integer >= 1",
+              "decode_workers": "an integer >= 1", "store_bytes": "a size (4GiB)"}
 LLAMA_SERVER_ENV = "OASISKV_LLAMA_SERVER"
 LLAMA_SERVER_BUILD = ("llama-server is not built: scripts/setup_llama_server.sh builds it from "
                       "llama-cpp-python's source distribution (about 20 minutes on 2 cores) "
@@ -31,8 +39,8 @@ LLAMA_SERVER_BUILD = ("llama-server is not built: scripts/setup_llama_server.sh 
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """One entry of --servers: its kind and, for sparse, KEY=VAL options as given (CacheConfig
-    fields, checked by parse_sparse)."""
+    """One entry of --servers: its kind and, for sparse and pd, KEY=VAL options as given
+    (CacheConfig fields, checked by parse_sparse; pd's PD_OPTIONS too)."""
 
     kind: str
     options: tuple[tuple[str, str], ...] = ()
@@ -43,32 +51,56 @@ class ServerSpec:
         return f"{self.kind}:{opts}" if opts else self.kind
 
 
+def check_pd_option(key: str, value: str) -> None:
+    try:
+        ok = (value in TRANSFERS if key == "transfer" else int(value) >= 1
+              if key.endswith("_workers") else parse_bytes(value) > 0)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"pd option {key}: expected {PD_OPTIONS[key]}, got {value!r}")
+
+
 def parse_servers(text: str) -> list[ServerSpec]:
-    """"dense,sparse:top_k=64,f_hbm=0.1,llama-server" -> three specs. Sparse options are
-    comma-separated too: an item with "=" and no kind continues the sparse spec before it."""
+    """"dense,sparse:top_k=64,f_hbm=0.1,llama-server" -> three specs. Options are
+    comma-separated too: an item with "=" and no kind continues the sparse or pd spec before
+    it."""
     specs: list[tuple[str, list[str]]] = []
     for item in (x.strip() for x in str(text).split(",")):
         if not item:
             continue
         kind, sep, first = item.partition(":")
         if not sep and "=" in item:  # KEY=VAL after sparse:KEY=VAL
-            if not specs or specs[-1][0] != "sparse" or not specs[-1][1]:
+            if not specs or specs[-1][0] not in OPTIONED or not specs[-1][1]:
                 raise ValueError(f"--servers {text!r}: {item!r} is an option without a "
-                                 f"sparse:KEY=VAL before it")
+                                 f"sparse:KEY=VAL or pd:KEY=VAL before it")
             specs[-1][1].append(item)
             continue
         if kind not in KINDS:
             raise ValueError(f"--servers {text!r}: unknown server {kind!r}; the kinds are "
                              f"{', '.join(KINDS)} (sparse:KEY=VAL,... for sparse options)")
-        if sep and kind != "sparse":
+        if sep and kind not in OPTIONED:
             raise ValueError(f"--servers {text!r}: {kind} takes no options")
         specs.append((kind, [first] if sep and first else []))
     if not specs:
         raise ValueError(f"--servers {text!r}: no server")
     out = []
     for kind, items in specs:
-        parse_sparse(",".join(items) or "default")  # a bad key or value fails here
         pairs = tuple(tuple(x.strip() for x in i.split("=", 1)) for i in items if i != "default")
+        if kind == "pd":
+            for key, value in pairs:
+                if key in PD_OPTIONS:
+                    check_pd_option(key, value)
+                if key in ("remote_store", "remote_lend"):
+                    raise ValueError(f"--servers {text!r}: pd sets {key} itself (its Mooncake "
+                                     "master and storage node)")
+            # checked as the workers' CacheConfig: with a remote store (f_host < 1 needs one)
+            items = [f"{k}={v}" for k, v in pairs if k not in PD_OPTIONS] + [
+                "remote_store=inprocess"]
+        try:
+            parse_sparse(",".join(items) or "default")  # a bad key or value fails here
+        except ValueError as e:
+            raise ValueError(f"--servers {text!r}: {e}") from None
         out.append(ServerSpec(kind, pairs))
     labels = [s.label for s in out]
     twice = sorted({x for x in labels if labels.count(x) > 1})
@@ -130,13 +162,20 @@ def server_command(spec: ServerSpec, settings: ServerSettings, port: int) -> lis
         if settings.threads:
             cmd += ["-t", str(settings.threads), "-tb", str(settings.threads)]
         return cmd
-    cmd = [sys.executable, "-m", "oasiskv.cli", "serve", "--model", settings.model,
-           "--host", "127.0.0.1", "--port", str(port), "--kv-mode", spec.kind,
-           "--dtype", settings.dtype, "--device-kv-budget", settings.device_kv_budget,
-           "--max-num-seqs", str(settings.max_num_seqs), "--max-waiting",
-           str(settings.max_waiting)]
-    if settings.threads:
-        cmd += ["--num-threads", str(settings.threads)]
+    threads = settings.threads
+    if spec.kind == "pd":  # the whole deployment in one command; each worker its share
+        opts = dict(spec.options)
+        workers = int(opts.get("prefill_workers", 1)) + int(opts.get("decode_workers", 1))
+        threads = threads and max(1, threads // workers)
+        cmd = [sys.executable, "-m", "oasiskv.cli", "pd", "--serve", "--kv-mode", "sparse"]
+    else:
+        cmd = [sys.executable, "-m", "oasiskv.cli", "serve", "--kv-mode", spec.kind,
+               "--max-waiting", str(settings.max_waiting)]
+    cmd += ["--model", settings.model, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", settings.dtype, "--device-kv-budget", settings.device_kv_budget,
+            "--max-num-seqs", str(settings.max_num_seqs)]
+    if threads:
+        cmd += ["--num-threads", str(threads)]
     for key, value in [*settings.extra.items(), *spec.options]:
         cmd += ["--" + key.replace("_", "-"), str(value)]
     return cmd

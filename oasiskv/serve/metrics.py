@@ -26,6 +26,10 @@ SPARSE_COUNTERS = {
     "admitted": ("sparse_blocks_admitted", "block-heads copied into device working sets"),
     "h2d_bytes": ("sparse_h2d_bytes", "bytes copied host -> device (fetches, active blocks)"),
     "remote_bytes": ("sparse_store_to_host_bytes", "bytes read remote store -> host caches"),
+    "handoff_bytes": ("sparse_handoff_bytes", "decode worker: bytes of the hand-overs it admitted "
+                      "(kept prompt blocks or slab read from the store, and the rest)"),
+    "remote_put_bytes": ("sparse_host_to_store_bytes", "complete prompt blocks put host -> "
+                         "remote store"),
     "stall_s": ("sparse_prefetch_stall_seconds", "foreground time spent waiting for prefetch"),
 }
 

@@ -18,21 +18,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Literal
 
 import httpx
 from fastapi import FastAPI, Request
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from oasiskv.disagg import wire
 from oasiskv.kv.remote_tier import namespace_for
 from oasiskv.serve import protocol as p
-from oasiskv.serve.app import add_error_handlers, add_middleware
-from oasiskv.serve.errors import APIError, EngineFailure, QueueFull, Unauthorized
+from oasiskv.serve.app import _validation_error, add_error_handlers, add_middleware
+from oasiskv.serve.errors import APIError, BadRequest, EngineFailure, QueueFull, Unauthorized
 from oasiskv.serve.pool import Worker, WorkerPool
+from oasiskv.serve.router_metrics import RouterMetrics
 from oasiskv.serve.streaming import DONE
 
 log = logging.getLogger(__name__)
@@ -50,6 +54,14 @@ class Relayed(APIError):
 
     def body(self) -> dict:
         return self._body
+
+
+class AddWorker(BaseModel):
+    """`POST /admin/workers`: a worker started after the router."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["prefill", "decode"]
+    url: str  # http://HOST:PORT
 
 
 class ClientGone(Exception):
@@ -86,13 +98,9 @@ class Router:
     def __init__(self, pool: WorkerPool, worker_timeout_s: float = 10.0,
                  transfer: str | None = None) -> None:
         self.pool, self.timeout_s, self.transfer = pool, worker_timeout_s, transfer
-        self.registry = CollectorRegistry()
-        self.requests = Counter("oasiskv_router:requests", "requests by outcome", ["outcome"],
-                                registry=self.registry)
-        self.retries = Counter("oasiskv_router:prefill_retries", "requests retried on another "
-                               "prefill worker", registry=self.registry)
-        self.dropped = Counter("oasiskv_router:namespaces_dropped", "store namespaces of "
-                               "failed requests the router dropped", registry=self.registry)
+        self.metrics = RouterMetrics()
+        self.requests, self.retries, self.dropped = (self.metrics.requests, self.metrics.retries,
+                                                     self.metrics.dropped)
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -305,24 +313,28 @@ def build_router_app(router: Router, api_key: str | None = None,
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await router.metrics.render(pool), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/workers")
     async def workers() -> dict:
         return {"workers": [w.status() for w in pool.workers]}
 
     @app.post("/admin/workers")
-    async def add_worker(body: dict, request: Request) -> dict:
-        if request.headers.get("x-oasiskv-worker-token") != pool.token:
+    async def add_worker(request: Request) -> dict:
+        token = request.headers.get("x-oasiskv-worker-token", "")
+        if not secrets.compare_digest(token.encode(), pool.token.encode()):
             raise Unauthorized("adding a worker needs the header X-OasisKV-Worker-Token")
+        try:  # read here, not by FastAPI: the token is checked before the body
+            body = AddWorker.model_validate(await request.json())
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        except ValueError:
+            raise BadRequest("the body must be JSON: {\"role\": ..., \"url\": ...}") from None
         try:
-            w = pool.add(str(body.get("role")), str(body.get("url")))
+            w = pool.add(body.role, body.url)
         except ValueError as e:
-            raise APIError(str(e)) from None
-        if w.role not in ("prefill", "decode"):
-            pool.workers.remove(w)
-            raise APIError(f"role must be prefill or decode, got {w.role!r}", param="role")
-        await pool.poll()
+            raise BadRequest(str(e), param="url") from None
+        await pool.poll()  # up now if it answers; else the health loop keeps asking
         return w.status()
 
     async def forward(method: str, path: str, body: dict | None = None) -> Response:
