@@ -10,8 +10,8 @@ Cases: dense at batch 1 (one run of slots) and at --batch (each request in --run
 over the pool, as a full pool leaves them), and a sparse batch of --batch slabs of K+1 blocks
 with one draft each, side by side (as the allocator places them) and every other slab apart.
 Implementations, each through `Attention.forward` on the same pools and step context:
-ref (previous), gqa (grouped matmuls), kernel (the compiled kernel, the default), sdpa-gqa (`scaled_dot_product_attention(enable_gqa=True)` over the
-joined runs), sdpa-grouped (SDPA with the KV heads as heads and the G query heads as G query
+ref (previous), gqa (grouped matmuls), kernel (the compiled kernel, the default), sdpa-gqa
+(`scaled_dot_product_attention(enable_gqa=True)` over the joined runs), sdpa-grouped (SDPA with the KV heads as heads and the G query heads as G query
 rows: no expansion), split (flash-decoding: the sequence in --chunk-token chunks, each its own
 softmax, merged by log-sum-exp). Each layer call reads its own layer's pool (enough layers to
 overflow the caches, as a step does); rounds interleave the implementations so that a shared
@@ -32,11 +32,11 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from oasiskv.bench.common import markdown_table, write_json
 from oasiskv.context import SeqAttention, StepContext, set_context
 from oasiskv.layers import gqa
 from oasiskv.layers.attention import Attention, GqaAttention
 from oasiskv.layers.attention_ref import ReferenceAttention
+from oasiskv.report import markdown_table, write_json
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -219,14 +219,14 @@ def main() -> None:
     unknown = [i for i in chosen if i not in IMPLS]
     if unknown:
         ap.error(f"--impls: unknown {', '.join(unknown)}")
-    dense_impls = chosen
+    dense_impls, sparse_impls = chosen, [i for i in chosen if i in SPARSE_IMPLS]
     cases = [(f"dense {args.context} x1", *dense_case(1, args.context, 1, g), dense_impls),
              (f"dense {args.context} x{args.batch}, {args.runs} runs each",
               *dense_case(args.batch, args.context, args.runs, g), dense_impls),
              (f"sparse K={args.top_k} x{args.batch}, side by side",
-              *sparse_case(args.batch, args.top_k, False, g), [i for i in chosen if i in SPARSE_IMPLS]),
+              *sparse_case(args.batch, args.top_k, False, g), sparse_impls),
              (f"sparse K={args.top_k} x{args.batch}, apart",
-              *sparse_case(args.batch, args.top_k, True, g), [i for i in chosen if i in SPARSE_IMPLS])]
+              *sparse_case(args.batch, args.top_k, True, g), sparse_impls)]
     rows = []
     for name, slots, seqs, n, impls in cases:
         rows += time_case(name, slots, seqs, n, impls, args, dtype)

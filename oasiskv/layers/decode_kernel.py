@@ -69,8 +69,8 @@ def extension(source: Path | None = None) -> ModuleType | None:
         path = build_dir(source)
         path.mkdir(parents=True, exist_ok=True)
         ext = cpp_extension.load(name=f"oasiskv_{path.name}", sources=[str(source)],
-                                 extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
-                                 build_directory=str(path), verbose=False)
+                                 extra_cflags=list(FLAGS), extra_ldflags=list(LDFLAGS),
+                                 build_directory=str(path), verbose=False)  # copies: load appends
         ext.isas()  # the module answers
     except Exception as e:  # any failure of a native build falls back, never fails the run
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]

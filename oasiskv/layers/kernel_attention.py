@@ -65,6 +65,9 @@ def attend(ext: ModuleType, pools: dict[str, tuple[torch.Tensor, torch.Tensor]],
     """q [N, H, d], k/v [N, Hkv, d] the step's rows; writes the batches' rows of out [N, H*d]."""
     n, h, d = q.shape
     out3 = out.view(n, h, d)
+    # the kernel reads rows of d contiguous values; a small batch's projections may come out
+    # column-major (a copy of the step's few rows)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     k_rows, v_rows = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, N, d]: the drafts' own K/V
     for b in batches:
         k_cache, v_cache = pools[b.pool]

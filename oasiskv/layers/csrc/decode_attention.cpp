@@ -269,7 +269,7 @@ template <typename T>
 void merge(const Args& a, const Unit* units, int64_t chunks, const float* partials) {
   const int64_t d = a.d, G = a.group, b = units[0].b, h = units[0].h;
   const int64_t r0 = a.row_off[b], n = a.row_off[b + 1] - r0, M = n * G;
-  std::vector<float> w(chunks), o(d);
+  std::vector<float> o(d);
   T* out = static_cast<T*>(a.out);
   for (int64_t i = 0; i < M; ++i) {
     float mstar = NEG_INF;
@@ -395,8 +395,9 @@ void decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::
   check_rows(ve, "ve");
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 only");
-  for (const at::Tensor* t : {&out, &k, &v, &ke, &ve})
-    TORCH_CHECK(t->scalar_type() == dtype, "q, out and the K/V are of one dtype");
+  TORCH_CHECK(out.scalar_type() == dtype && k.scalar_type() == dtype &&
+                  v.scalar_type() == dtype && ke.scalar_type() == dtype &&
+                  ve.scalar_type() == dtype, "q, out and the K/V are of one dtype");
   const int64_t hkv = k.size(0), d = q.size(2), heads = q.size(1);
   TORCH_CHECK(heads % hkv == 0 && out.sizes() == q.sizes() && k.size(2) == d &&
                   v.sizes() == k.sizes() && ke.size(0) == hkv && ke.size(2) == d &&
@@ -413,6 +414,9 @@ void decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::
          ints(runs, "runs"), ints(run_off, "run_off"), ints(extra, "extra"), {}, {}};
   // bounds: a bad index would read outside the pools
   const int64_t N = q.size(0), S = k.size(1), E = ke.size(1);
+  TORCH_CHECK(a.row_off[0] == 0 && a.row_off[B] == rows.numel() && a.run_off[0] == 0 &&
+                  2 * a.run_off[B] == runs.numel(),
+              "row_off and run_off start at 0 and end at the rows and runs given");
   std::vector<int64_t> total(B, 0);
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(a.row_off[b] < a.row_off[b + 1] && a.run_off[b] <= a.run_off[b + 1],
@@ -430,7 +434,6 @@ void decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::
     a.valid.push_back(mask_of(valid[b], hkv, total[b]));
     a.draft_valid.push_back(mask_of(draft_valid[b], hkv, total[b]));
   }
-  TORCH_CHECK(runs.numel() == 2 * (B ? a.run_off[B] : 0), "runs: two ints per run");
   const auto names = isas();
   const std::string chosen = isa.empty() ? names.front() : isa;
   TORCH_CHECK(std::find(names.begin(), names.end(), chosen) != names.end(),
