@@ -12,8 +12,9 @@ with one draft each, side by side (as the allocator places them) and every other
 Implementations, each through `Attention.forward` on the same pools and step context:
 ref (previous), gqa (grouped matmuls), kernel (the compiled kernel, the default), sdpa-gqa
 (`scaled_dot_product_attention(enable_gqa=True)` over the joined runs), sdpa-grouped (SDPA
-with the KV heads as heads and the G query heads as G query rows: no expansion), split (flash-decoding: the sequence in --chunk-token chunks, each its own
-softmax, merged by log-sum-exp). Each layer call reads its own layer's pool (enough layers to
+with the KV heads as heads and the G query heads as G query rows: no expansion), split
+(flash-decoding: the sequence in --chunk-token chunks, each its own softmax, merged by
+log-sum-exp). Each layer call reads its own layer's pool (enough layers to
 overflow the caches, as a step does); rounds interleave the implementations so that a shared
 machine's load hits them alike, and a dense context grows by a token per round, as in decode
 (oneDNN builds a kernel per new shape). Prints the median and min ms per layer call, the

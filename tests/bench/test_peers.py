@@ -71,8 +71,13 @@ def test_llamacpp_ttft_computes_the_prompt_and_restores_its_prefix(tmp_path):
         after = peer.generate(2, 4)
     finally:
         peer.close()
-    assert first["ttft_s"] > 0 and first["token"] == before["tokens"][0][0]
-    assert after["tokens"] == before["tokens"]
+    assert first["ttft_s"] > 0 and after["tokens"] == before["tokens"]
+    # its first token is our argmax, or within 0.5 nats of it under our model (llama.cpp's
+    # Q4_1 weights times 8-bit activations: a batch of 512 rows and a single row may differ)
+    ours = llm.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0, logprobs=True))
+    theirs = llm.generate([prompts[0]], SamplingParams(max_tokens=1, logprobs=True,
+                                                       forced_tokens=[first["token"]]))
+    assert ours[0].logprobs[0] - theirs[0].logprobs[0] < 0.5
 
 
 @needs_llamacpp
