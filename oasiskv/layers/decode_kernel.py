@@ -10,8 +10,11 @@ runner), never inside a request. The one binary runs on any x86-64 CPU: its loop
 for AVX-512, AVX2+FMA and the baseline and chosen by CPUID at run time.
 
 Where it cannot be built or loaded (no compiler, no ninja, a build error) attention warns once
-and decodes with `layers/gqa.py`: slower, the same results to rounding. OASISKV_ATTENTION=gqa
-skips the kernel altogether (the grouped matmul path), =kernel is the default.
+and decodes with `layers/gqa.py`, the same results to rounding. OASISKV_ATTENTION=kernel turns
+it on; gqa (the grouped matmul path, no build) is still the default: measured on a 2-core AMD
+EPYC (AVX-512), the kernel's loops are compute-bound at 6-7 GB/s per thread in bf16 (its
+per-row horizontal sums and exps), level with oneDNN's products for dense and 1.9x slower for
+sparse slabs with a draft (twice the query rows); the default flips once they are faster.
 """
 
 from __future__ import annotations
@@ -38,9 +41,12 @@ LDFLAGS = ["-fopenmp"]
 _loaded: dict[Path, ModuleType | None] = {}
 
 
+DEFAULT = "gqa"  # until the kernel's loops beat oneDNN's products here (see the note above)
+
+
 def wanted() -> bool:
-    """OASISKV_ATTENTION: kernel (default) or gqa."""
-    choice = os.environ.get(ENV, "kernel").strip().lower()
+    """OASISKV_ATTENTION: kernel or gqa (the default)."""
+    choice = os.environ.get(ENV, DEFAULT).strip().lower()
     if choice not in CHOICES:
         raise ValueError(f"{ENV}={choice!r}: expected one of {', '.join(CHOICES)}")
     return choice == "kernel"

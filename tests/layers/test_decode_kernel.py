@@ -34,8 +34,14 @@ def close_to_reference(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype
     torch.testing.assert_close(got, want, **tol)
 
 
-@pytest.fixture(scope="module")
-def ext():
+@pytest.fixture(autouse=True)
+def kernel_on(monkeypatch):
+    """The kernel is opt-in (OASISKV_ATTENTION=kernel) until it is the faster path."""
+    monkeypatch.setenv(decode_kernel.ENV, "kernel")
+
+
+@pytest.fixture
+def ext(kernel_on):
     e = decode_kernel.extension()
     assert e is not None, "the kernel builds and loads on this machine"
     return e
@@ -252,9 +258,13 @@ def test_falls_back_to_gqa_with_one_warning_when_the_kernel_cannot_build(tmp_pat
     close_to_reference(got, run(ref, *inputs), torch.float32)
 
 
-def test_the_environment_picks_gqa_or_refuses_a_bad_value(monkeypatch):
+@pytest.mark.parametrize("value", ["gqa", None], ids=["gqa", "unset (the default)"])
+def test_the_environment_picks_gqa_or_refuses_a_bad_value(monkeypatch, value):
     monkeypatch.setattr(decode_kernel, "_loaded", {})
-    monkeypatch.setenv(decode_kernel.ENV, "gqa")
+    if value is None:
+        monkeypatch.delenv(decode_kernel.ENV)
+    else:
+        monkeypatch.setenv(decode_kernel.ENV, value)
     assert decode_kernel.extension() is None and decode_kernel._loaded == {}  # nothing built
     g = torch.Generator().manual_seed(2)
     new, _, inputs, _ = drafts_case(torch.bfloat16, 7, "one run", "own", g)

@@ -28,7 +28,9 @@ def generate(model_dir, cls: type[Attention], **kw) -> list[list[int]]:
 @pytest.mark.parametrize("cls", [Attention, GqaAttention], ids=["kernel", "gqa"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mode", [{}, {"kv_mode": "sparse", "top_k": 16}])  # 16*16 > 90+24
-def test_greedy_tokens_equal_the_reference_attentions(tiny_llama, cls, dtype, mode):
+def test_greedy_tokens_equal_the_reference_attentions(tiny_llama, cls, dtype, mode,
+                                                     monkeypatch):
+    monkeypatch.setenv(decode_kernel.ENV, "kernel")  # opt-in; GqaAttention never takes it
     assert cls is GqaAttention or decode_kernel.extension() is not None  # the kernel runs
     got = generate(tiny_llama, cls, dtype=dtype, **mode)
     want = generate(tiny_llama, ReferenceAttention, dtype=dtype, **mode)
