@@ -89,6 +89,9 @@ class StepContext:
     # attention's batches of equal sparse slabs (layers/attention.slab_groups), set by the
     # first layer
     slab_groups: list[SlabGroup] | None = None
+    # the decode kernel's batches and the sequences it leaves (layers/kernel_attention.plan),
+    # set by the first layer
+    decode_plan: tuple | None = None
     # sparse with dense_layers=N: layers 0..N-1 read `dense` instead (whole contexts in their
     # own device copy, no working sets); `sparse` then counts its layers from layer N
     dense: StepContext | None = None

@@ -1,18 +1,20 @@
-"""Decode attention per layer call (issue 45): the grouped, copy-free attention (`layers/gqa.py`)
-against the previous implementation (`layers/attention_ref.py`) and two alternatives, on
-SmolLM2-135M's shapes (9 query heads over 3 KV heads, head dim 64).
+"""Decode attention per layer call (issue 45): the compiled kernel (`layers/decode_kernel.py`) and
+the grouped, copy-free attention (`layers/gqa.py`) against the previous implementation
+(`layers/attention_ref.py`) and three alternatives, on SmolLM2-135M's shapes (9 query heads over
+3 KV heads, head dim 64).
 
   python scripts/bench_attention.py [--context 7168] [--batch 6] [--top-k 128] [--rounds 15]
-      [--dtype bfloat16] [--threads N] [--json PATH]
+      [--dtype bfloat16] [--threads N] [--impls ref,gqa,kernel] [--json PATH]
 
 Cases: dense at batch 1 (one run of slots) and at --batch (each request in --runs runs spread
 over the pool, as a full pool leaves them), and a sparse batch of --batch slabs of K+1 blocks
 with one draft each, side by side (as the allocator places them) and every other slab apart.
 Implementations, each through `Attention.forward` on the same pools and step context:
-ref (previous), gqa (new), sdpa-gqa (`scaled_dot_product_attention(enable_gqa=True)` over the
-joined runs), sdpa-grouped (SDPA with the KV heads as heads and the G query heads as G query
-rows: no expansion), split (flash-decoding: the sequence in --chunk-token chunks, each its own
-softmax, merged by log-sum-exp). Each layer call reads its own layer's pool (enough layers to
+ref (previous), gqa (grouped matmuls), kernel (the compiled kernel, the default), sdpa-gqa
+(`scaled_dot_product_attention(enable_gqa=True)` over the joined runs), sdpa-grouped (SDPA
+with the KV heads as heads and the G query heads as G query rows: no expansion), split
+(flash-decoding: the sequence in --chunk-token chunks, each its own softmax, merged by
+log-sum-exp). Each layer call reads its own layer's pool (enough layers to
 overflow the caches, as a step does); rounds interleave the implementations so that a shared
 machine's load hits them alike, and a dense context grows by a token per round, as in decode
 (oneDNN builds a kernel per new shape). Prints the median and min ms per layer call, the
@@ -31,16 +33,16 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from oasiskv.bench.common import markdown_table, write_json
 from oasiskv.context import SeqAttention, StepContext, set_context
 from oasiskv.layers import gqa
-from oasiskv.layers.attention import Attention
+from oasiskv.layers.attention import Attention, GqaAttention
 from oasiskv.layers.attention_ref import ReferenceAttention
+from oasiskv.report import markdown_table, write_json
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
-class SdpaGqa(Attention):
+class SdpaGqa(GqaAttention):
     """Decode by SDPA with enable_gqa over the joined runs (dense only)."""
 
     def _attend(self, q, seq, k_new, v_new):
@@ -51,7 +53,7 @@ class SdpaGqa(Attention):
             q[0, :, None][None], k[None], v[None], scale=self.scale, enable_gqa=True).reshape(1, -1)
 
 
-class SdpaGrouped(Attention):
+class SdpaGrouped(GqaAttention):
     """Decode by SDPA with the G query heads of a KV head as G query rows (dense only)."""
 
     def _attend(self, q, seq, k_new, v_new):
@@ -63,7 +65,7 @@ class SdpaGrouped(Attention):
                                               scale=self.scale).reshape(1, -1)
 
 
-class Split(Attention):
+class Split(GqaAttention):
     """Flash-decoding: chunks of `chunk` tokens, each a softmax of its own, log-sum-exp merged."""
 
     chunk = 2048
@@ -87,8 +89,10 @@ class Split(Attention):
         return (torch.stack(outs) * w).sum(0).to(q.dtype).reshape(1, -1)
 
 
-IMPLS = {"ref": ReferenceAttention, "gqa": Attention, "sdpa-gqa": SdpaGqa,
+IMPLS = {"ref": ReferenceAttention, "gqa": GqaAttention, "kernel": Attention, "sdpa-gqa": SdpaGqa,
          "sdpa-grouped": SdpaGrouped, "split": Split}
+
+SPARSE_IMPLS = ("ref", "gqa", "kernel")  # the others decode dense contexts only
 
 
 def spread_runs(batch: int, tokens: int, runs: int, g: torch.Generator) -> list[list]:
@@ -203,6 +207,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cache-overflow", type=int, default=256,
                     help="MiB of pools cycled through (each layer call reads its own)")
+    ap.add_argument("--impls", default=",".join(IMPLS),
+                    help="comma-separated, of " + ", ".join(IMPLS) + " (ref always runs)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -210,14 +216,18 @@ def main() -> None:
     Split.chunk = args.chunk
     dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(1)
-    dense_impls = list(IMPLS)
+    chosen = ["ref", *(i for i in args.impls.split(",") if i != "ref")]
+    unknown = [i for i in chosen if i not in IMPLS]
+    if unknown:
+        ap.error(f"--impls: unknown {', '.join(unknown)}")
+    dense_impls, sparse_impls = chosen, [i for i in chosen if i in SPARSE_IMPLS]
     cases = [(f"dense {args.context} x1", *dense_case(1, args.context, 1, g), dense_impls),
              (f"dense {args.context} x{args.batch}, {args.runs} runs each",
               *dense_case(args.batch, args.context, args.runs, g), dense_impls),
              (f"sparse K={args.top_k} x{args.batch}, side by side",
-              *sparse_case(args.batch, args.top_k, False, g), ["ref", "gqa"]),
+              *sparse_case(args.batch, args.top_k, False, g), sparse_impls),
              (f"sparse K={args.top_k} x{args.batch}, apart",
-              *sparse_case(args.batch, args.top_k, True, g), ["ref", "gqa"])]
+              *sparse_case(args.batch, args.top_k, True, g), sparse_impls)]
     rows = []
     for name, slots, seqs, n, impls in cases:
         rows += time_case(name, slots, seqs, n, impls, args, dtype)

@@ -30,6 +30,12 @@ then
     echo "note: install the Austen novels with: sudo apt-get install r-cran-janeaustenr" >&2
   fi
 fi
+# The decode-attention kernel (oasiskv/layers/decode_kernel.py): compiled once here (about a
+# minute) into ~/.cache/oasiskv/ext, so that no run or test pays for it; if it cannot be built,
+# attention warns and decodes with layers/gqa.py
+OASISKV_ATTENTION=kernel python -W error::RuntimeWarning -c \
+  "from oasiskv.layers.decode_kernel import extension; extension()" \
+  || echo "note: the decode-attention kernel did not build (see above)" >&2
 # llama.cpp, the CPU peer of `bench throughput --peer llamacpp`: pip compiles it (about 4-6
 # minutes on 2 cores; only the library, not its tools), without AMX, and again whenever the
 # installed build is not the one the script records (an older build may crash on AMX CPUs)

@@ -142,6 +142,26 @@ class LlamaCppSession:
                 "ttft_s": times[0] - t0, "running": float(count), "step_ms": step_ms,
                 "preemptions": 0, "failed": 0, "tokens": tokens}
 
+    def ttft(self, index: int) -> dict:
+        """Time to first token of prompt `index` from scratch: its sequence emptied, the whole
+        prompt computed in CHUNK-token calls, the first token picked; then its sequence holds
+        the prefix again, as prefill() left it (the same K/V, recomputed)."""
+        p = self.prompts[index]
+        memory = self.lib.llama_get_memory(self.ctx)
+        self.lib.llama_memory_seq_rm(memory, index, -1, -1)
+        t0 = time.perf_counter()
+        for start in range(0, len(p), self.CHUNK):
+            chunk = p[start:start + self.CHUNK]
+            last = start + len(chunk) == len(p)
+            self._decode([(t, start + i, index, last and i == len(chunk) - 1)
+                          for i, t in enumerate(chunk)])
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, -1),
+                                       shape=(self.vocab,))
+        token = int(logits.argmax())
+        ttft = time.perf_counter() - t0
+        self.lib.llama_memory_seq_rm(memory, index, len(p) - 1, -1)
+        return {"ttft_s": ttft, "token": token}
+
     def close(self) -> None:
         if self.ctx:
             self.lib.llama_batch_free(self.batch)

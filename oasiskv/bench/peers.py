@@ -149,6 +149,10 @@ class LlamaCppPeer:
         step, from their prefilled prefixes; the same figures as our engine's rows."""
         return self._child.call("generate", count, output_len)
 
+    def ttft(self, index: int) -> dict:
+        """Time to first token of prompt `index` computed from scratch (`LlamaCppSession`)."""
+        return self._child.call("ttft", index)
+
     def close(self) -> None:
         self._child.close()
 
@@ -167,13 +171,20 @@ class RestartingPeer:
 
     def generate(self, count: int, output_len: int) -> dict:
         """LlamaCppPeer.generate; raises ChildCrashed when llama.cpp crashed meanwhile."""
+        return self._call("generate", count, output_len)
+
+    def ttft(self, index: int) -> dict:
+        """LlamaCppPeer.ttft; raises ChildCrashed when llama.cpp crashed meanwhile."""
+        return self._call("ttft", index)
+
+    def _call(self, op: str, *args) -> dict:
         try:
             if self._peer is None:
                 self._peer = LlamaCppPeer(*self._args)
                 if self.prefill_s is None:
                     self.prefill_s, self.system_info = (self._peer.prefill_s,
                                                         self._peer.system_info)
-            return self._peer.generate(count, output_len)
+            return getattr(self._peer, op)(*args)
         except ChildCrashed:
             self.close()
             raise

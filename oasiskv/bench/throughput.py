@@ -17,6 +17,8 @@ would take if it only read the bytes it must (weights + the resident KV of the r
 at this machine's measured read bandwidth. With --breakdown N, an untimed extra run of each
 mode and level profiles N decode steps (`bench/breakdown.py`): a second table shows the time
 per step in attention, linear layers, sparse selection and the rest beside the roofline.
+With --ttft, one prompt per context is also computed from scratch by each mode and peer, in
+turn (`bench/prefill_ttft.py`): a third table shows each engine's time to first token.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from oasiskv.bench.batch_runs import (
 from oasiskv.bench.breakdown import breakdown_columns, breakdown_run, check_steps
 from oasiskv.bench.common import agreement, prefix_kv_files, unique_prompts
 from oasiskv.bench.peers import ChildCrashed, RestartingPeer, hf_from_prefix, load_hf, parse_peers
+from oasiskv.bench.prefill_ttft import COLUMNS as TTFT_COLUMNS
+from oasiskv.bench.prefill_ttft import engines_for, ttft_rows
 from oasiskv.config import CacheConfig, EngineConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.models.registry import resolve_model
@@ -176,7 +180,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     reads = {"llamacpp": (gguf.stat().st_size, kv_per_token * 2 //
                           prefill.config.torch_dtype.itemsize)} if "llamacpp" in peers else {}
     bandwidth = read_bandwidth()
-    rows, prefill_s, peer_prefill_s, peer_system_info = [], {}, {}, None
+    rows, prefill_s, peer_prefill_s, peer_system_info, ttft = [], {}, {}, None, []
     with tempfile.TemporaryDirectory(prefix="oasiskv-bench-") as tmp:
         cache_dir = Path(args.kv_cache_dir or tmp)
         for context in contexts:
@@ -238,6 +242,12 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                 rows += [{"context": context, "concurrency": c, "mode": mode, "error": error,
                           "text": source, "dense_capacity": capacity[context]}
                          for mode, error in failed.items()]
+            if args.ttft:  # the prefill half: each engine's TTFT of the first prompt, from scratch
+                first: dict[str, dict] = {}
+                for mode, kw in runs:  # a mode's first f_hbm (prefill does not depend on it)
+                    first.setdefault(mode, kw)
+                ttft += ttft_rows(context, prompts[0], engines_for(
+                    prompts[0], list(first.items()), base, hf, llamacpp), args.repeats)
             if llamacpp is not None:
                 llamacpp.close()
                 if llamacpp.prefill_s is not None:
@@ -261,6 +271,12 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
               f"torch.profiler, in an untimed extra run (ms per step on the stepping thread; "
               f"bg selection: prefetch stages on worker threads, overlapping the step)\n")
         print(markdown_table([r for r in rows if "profiled_step_ms" in r], BREAKDOWN))
+    if ttft:
+        print(f"\n### time to first token: the first prompt of each context computed from "
+              f"scratch by each engine (no cached K/V), one after another; the median of "
+              f"{args.repeats} run(s)\n")
+        print(markdown_table(ttft, TTFT_COLUMNS + [("error", "error")] * any(
+            "error" in r for r in ttft)))
     if len(f_hbms) > 1:
         print("\n### f_hbm ablation (sparse rows)\n")
         print(markdown_table([r for r in rows if r["mode"] == "sparse"], ABLATION))
@@ -285,7 +301,8 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                            "bandwidth": bandwidth, "prefill_s": prefill_s,
                            "llamacpp_prefill_s": peer_prefill_s,
                            "llamacpp_system_info": peer_system_info,
-                           "threads": torch.get_num_threads(), "time_s": elapsed, "rows": rows})
+                           "threads": torch.get_num_threads(), "time_s": elapsed, "rows": rows,
+                           "ttft": ttft})
     if args.plot:
         plot([r for r in rows if "error" not in r], args.plot, capacity,
              f"{args.model} {args.dtype}: dense vs sparse, budget {args.device_kv_budget}")
@@ -331,6 +348,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", help="write the figures to this file")
     p.add_argument("--plot", help="write TPS and running batch vs concurrency (PNG)")
+    p.add_argument("--ttft", action="store_true", help="also time to first token of one "
+                   "prompt per context computed from scratch by each --kv-mode and --peer, in "
+                   "the same run (a TTFT table beside decode)")
     p.add_argument("--breakdown", type=int, default=0, metavar="STEPS", help="profile STEPS "
                    "decode steps per mode and level (an untimed extra run): attention, linear, "
                    "selection and other ms per step beside the roofline")

@@ -13,6 +13,7 @@ from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.kv.blocks import block_runs, is_contiguous
 from oasiskv.kv.dense_layers import dense_context, token_bytes
 from oasiskv.kv.residency import SparseKV
+from oasiskv.layers import decode_kernel
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.sequence import Sequence
 
@@ -72,6 +73,8 @@ class ModelRunner:
                 attn.pools = {"device": (device_kv[j, 0], device_kv[j, 1])}
             if host_kv is not None:
                 attn.pools["host"] = (host_kv[i, 0], host_kv[i, 1])
+        if self.device.type == "cpu":  # built (a fresh machine) or loaded now, not in a request
+            decode_kernel.extension()
 
     def _token_slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)

@@ -8,12 +8,14 @@ blocks per head, so dense and sparse requests share this code; only the mask dif
 sparse slab has one more block, its draft slots, where a step's drafts write their K/V.)
 """
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from oasiskv.context import SeqAttention, SlabGroup, get_context
-from oasiskv.layers import gqa
+from oasiskv.layers import decode_kernel, gqa, kernel_attention
 
 
 def slab_groups(seqs: list[SeqAttention], device: torch.device) -> list[SlabGroup]:
@@ -37,6 +39,10 @@ def slab_groups(seqs: list[SeqAttention], device: torch.device) -> list[SlabGrou
 
 
 class Attention(nn.Module):
+    # decodes through the compiled kernel (`layers/decode_kernel.py`) where it loads, else
+    # through `layers/gqa.py` (as GqaAttention always does)
+    use_kernel = True
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -63,12 +69,20 @@ class Attention(nn.Module):
             step.draft_kv[self.layer_idx] = (k, v)
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype,
                           device=q.device)
-        if ctx.slab_groups is None:  # the same in every layer of the step: grouped once
-            ctx.slab_groups = slab_groups(ctx.seqs, q.device)
-        for group in ctx.slab_groups:
-            out[group.rows.flatten()] = self._attend_slabs(q[group.rows], group)
-        batched = {id(s) for group in ctx.slab_groups for s in group.seqs}
-        for seq in ctx.seqs:
+        ext = self._kernel(q)
+        if ext is not None:  # the decodes in one kernel call per pool, the rest below
+            if ctx.decode_plan is None:  # the same in every layer of the step: packed once
+                ctx.decode_plan = kernel_attention.plan(ctx.seqs)
+            batches, seqs = ctx.decode_plan
+            kernel_attention.attend(ext, self.pools, batches, q, k, v, out, self.scale)
+            batched = set()
+        else:
+            if ctx.slab_groups is None:  # the same in every layer of the step: grouped once
+                ctx.slab_groups = slab_groups(ctx.seqs, q.device)
+            for group in ctx.slab_groups:
+                out[group.rows.flatten()] = self._attend_slabs(q[group.rows], group)
+            seqs, batched = ctx.seqs, {id(s) for group in ctx.slab_groups for s in group.seqs}
+        for seq in seqs:
             if id(seq) in batched:
                 continue
             rows = slice(seq.q_start, seq.q_end)
@@ -80,6 +94,13 @@ class Attention(nn.Module):
         if ctx.sparse is not None:
             ctx.sparse.after_attention(sparse_layer, q)
         return out
+
+    def _kernel(self, q: torch.Tensor) -> ModuleType | None:
+        """The compiled decode kernel where it serves this layer's decodes, else None."""
+        if (not self.use_kernel or q.device.type != "cpu"
+                or q.dtype not in decode_kernel.DTYPES):
+            return None
+        return decode_kernel.extension()
 
     def _kv_parts(self, seq: SeqAttention, k_new: torch.Tensor,
                   v_new: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -148,3 +169,10 @@ class Attention(nn.Module):
             q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
             is_causal=mask is None, scale=self.scale, enable_gqa=True)  # [1, H, n, d]
         return o[0].transpose(0, 1).reshape(n, -1)
+
+
+class GqaAttention(Attention):
+    """`Attention` whose decodes always take `layers/gqa.py` (the kernel's tests and bench
+    compare with it)."""
+
+    use_kernel = False

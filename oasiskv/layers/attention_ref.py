@@ -14,6 +14,8 @@ from oasiskv.layers.attention import Attention
 class ReferenceAttention(Attention):
     """`Attention` with the previous decode paths (the same forward, writes and grouping)."""
 
+    use_kernel = False
+
     def _kv_parts(self, seq: SeqAttention, k_new: torch.Tensor,
                   v_new: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The K/V attended, [Hkv, t, d] each: views of the pool, one per run of slots (one

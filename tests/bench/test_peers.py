@@ -3,8 +3,9 @@ near-tie of them, since llama.cpp multiplies Q4_1 weights by 8-bit activations a
 KV), a smaller batch after a larger one decodes from the restored prefixes, and
 `bench throughput --peer llamacpp` puts its rows beside ours. llama.cpp runs in a child
 process: its crash (a SIGSEGV sent to the child, as a segfault in its AMX matmul would be)
-fails that call, or that one row of the bench, with the signal, and the rest goes on. Bad --peer
-input fails first."""
+fails that call, or that one row of the bench, with the signal, and the rest goes on. Its TTFT
+call (`bench throughput --ttft`) computes a prompt from scratch and leaves its sequence as
+before. Bad --peer input fails first."""
 
 import importlib.util
 import json
@@ -57,6 +58,26 @@ def test_llamacpp_decodes_like_our_engine(tmp_path):
     same = sum(a == b for o, toks in zip(ours, batch["tokens"], strict=True)
                for a, b in zip(o.token_ids, toks, strict=True))
     assert same / 36 >= 0.5
+
+
+@needs_llamacpp
+def test_llamacpp_ttft_computes_the_prompt_and_restores_its_prefix(tmp_path):
+    llm = LLM(model="smollm2-135m")
+    prompts, _ = unique_prompts(llm.tokenizer, 2, 96)
+    peer = LlamaCppPeer(resolve_model("smollm2-135m"), prompts, 4, threads=2, cache_dir=tmp_path)
+    try:
+        before = peer.generate(2, 4)
+        first = peer.ttft(0)  # the whole prompt from scratch, then back to its prefix
+        after = peer.generate(2, 4)
+    finally:
+        peer.close()
+    assert first["ttft_s"] > 0 and after["tokens"] == before["tokens"]
+    # its first token is our argmax, or within 0.5 nats of it under our model (llama.cpp's
+    # Q4_1 weights times 8-bit activations: a batch of 512 rows and a single row may differ)
+    ours = llm.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0, logprobs=True))
+    theirs = llm.generate([prompts[0]], SamplingParams(max_tokens=1, logprobs=True,
+                                                       forced_tokens=[first["token"]]))
+    assert ours[0].logprobs[0] - theirs[0].logprobs[0] < 0.5
 
 
 @needs_llamacpp

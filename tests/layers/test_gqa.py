@@ -1,8 +1,8 @@
-"""The grouped, copy-free decode attention (`layers/gqa.py`, through `Attention.forward`) equals
-the previous implementation (`ReferenceAttention`) and a brute-force float64 attention over
-expanded K/V: dense (one run, several runs, gathered slots), sparse masks, draft rows, sparse
-slabs in one batch (side by side or not), GQA groups of 1, 3 and 7, odd lengths, fp32 and
-bf16."""
+"""The grouped, copy-free decode attention (`layers/gqa.py`, through `GqaAttention.forward`: the
+path decodes take without the compiled kernel) equals the previous implementation
+(`ReferenceAttention`) and a brute-force float64 attention over expanded K/V: dense (one run,
+several runs, gathered slots), sparse masks, draft rows, sparse slabs in one batch (side by
+side or not), GQA groups of 1, 3 and 7, odd lengths, fp32 and bf16."""
 
 import math
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from oasiskv.context import SeqAttention, StepContext, set_context
-from oasiskv.layers.attention import Attention
+from oasiskv.layers.attention import Attention, GqaAttention
 from oasiskv.layers.attention_ref import ReferenceAttention
 from oasiskv.layers.gqa import side_by_side
 
@@ -34,7 +34,7 @@ def layers(hkv: int, group: int, dtype: torch.dtype, g: torch.Generator):
     """The new layer and the reference over the same random pools."""
     pools = {"device": (torch.randn(hkv, SLOTS, D, generator=g).to(dtype),
                         torch.randn(hkv, SLOTS, D, generator=g).to(dtype))}
-    new = Attention(hkv * group, hkv, D, D ** -0.5)
+    new = GqaAttention(hkv * group, hkv, D, D ** -0.5)
     ref = ReferenceAttention(hkv * group, hkv, D, D ** -0.5)
     new.pools = ref.pools = pools
     new.layer_idx = ref.layer_idx = 0

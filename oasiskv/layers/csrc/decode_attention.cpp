@@ -1,0 +1,483 @@
+// Decode attention over K/V read where they lie in the pool (issue 45).
+//
+// For each (request, KV head), the query rows of the request (its normal token, then its
+// drafts) times the G query heads of the group are scored against the K rows of the request's
+// runs of slots, one tile at a time, with an online softmax in fp32 (flash-decoding): the
+// scores never leave L1 and nothing is copied or expanded. When requests x KV heads are fewer
+// than the threads can share, a request's slots are split into chunks scored apart and merged
+// by log-sum-exp. bf16 and fp32 inputs, fp32 accumulation, the output rounded once.
+//
+// Row class j of a request (0: the normal token, j >= 1: draft j) sees slot s of head h when
+// its mask allows it (class 0: `valid`, the others `draft_valid`, default `valid`; none: all),
+// and draft j also its own K/V, row `extra[j]` of ke/ve (never the normal row).
+//
+// The hot loops are plain C++ that compilers vectorize; they are compiled three times (AVX-512,
+// AVX2+FMA, the baseline) and chosen at run time by CPUID, so one build runs on any x86-64.
+// Built and cached by oasiskv/layers/decode_kernel.py.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t TILE = 64;  // slots scored before their values are read
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+#define OASIS_INLINE inline __attribute__((always_inline))
+
+struct Mask {  // bool [Hkv, >= T]: slot s of head h is seen iff ptr[h * hs + s * ss]
+  const uint8_t* ptr = nullptr;
+  int64_t hs = 0, ss = 0;
+};
+
+struct Args {
+  const void* q; int64_t q_rs, q_hs;     // [N, H, d]
+  void* out; int64_t o_rs, o_hs;         // [N, H, d]
+  const void* k; int64_t k_hs, k_ss;     // [Hkv, S, d]
+  const void* v; int64_t v_hs, v_ss;
+  const void* ke; int64_t ke_hs, ke_ss;  // [Hkv, E, d]: the drafts' own K/V
+  const void* ve; int64_t ve_hs, ve_ss;
+  int64_t group, d;
+  float scale;
+  const int64_t* rows;     // request b: rows[row_off[b] : row_off[b + 1]], its normal row first
+  const int64_t* row_off;
+  const int64_t* runs;     // request b: (first slot, slots) pairs run_off[b] .. run_off[b + 1]
+  const int64_t* run_off;
+  const int64_t* extra;    // aligned with rows: a draft row's own K/V row in ke/ve
+  std::vector<Mask> valid, draft_valid;  // per request
+};
+
+struct Unit {
+  int64_t b, h, lo, hi;  // request, KV head, its slots [lo, hi) (in the order of its runs)
+  int64_t part;          // offset of its partial result in the partials, -1: writes the output
+  bool last;             // holds the request's last slot: also attends to the drafts' own K/V
+};
+
+OASIS_INLINE float load(const float* p, int64_t j) { return p[j]; }
+OASIS_INLINE float load(const uint16_t* p, int64_t j) {  // bf16: the high half of an fp32
+  uint32_t u = uint32_t(p[j]) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+OASIS_INLINE void store(float* p, int64_t j, float x) { p[j] = x; }
+OASIS_INLINE void store(uint16_t* p, int64_t j, float x) { p[j] = c10::BFloat16(x).x; }
+
+// exp(x) to about 1 ulp (Cephes' expf polynomial), branch-free so that loops vectorize;
+// exp(-inf) and anything below -87 is 0
+OASIS_INLINE float fexp(float x) {
+  const float xc = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = xc * 1.44269504088896341f;
+  const int32_t n = int32_t(t + (t >= 0.0f ? 0.5f : -0.5f));
+  const float nf = float(n);
+  float r = xc - nf * 0.693359375f;
+  r = r + nf * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const uint32_t bits = uint32_t(n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+// One query row's running state gets a single more score (the drafts' own K/V)
+OASIS_INLINE void attend_one(float score, const float* vf, float* acc, float& mx, float& l,
+                             int64_t d) {
+  const float mnew = std::max(mx, score);
+  const float corr = fexp(mx - mnew), p = fexp(score - mnew);
+  l = l * corr + p;
+  for (int64_t c = 0; c < d; ++c) acc[c] = acc[c] * corr + p * vf[c];
+  mx = mnew;
+}
+
+template <typename T, int D>
+OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
+                           std::vector<float>& buf) {
+  const int64_t d = D ? D : a.d, G = a.group, h = u.h, b = u.b;
+  const int64_t r0 = a.row_off[b], n = a.row_off[b + 1] - r0, M = n * G;
+  buf.resize(2 * M * d + M * TILE + TILE * d + 2 * M);
+  float* qf = buf.data();     // [M, d] the queries, scaled
+  float* acc = qf + M * d;    // [M, d] the weighted values
+  float* s = acc + M * d;     // [M, TILE] a tile's scores, then its probabilities
+  float* tf = s + M * TILE;   // [TILE, d] a tile's K rows, then its V rows, in fp32
+  float* mx = tf + TILE * d;  // [M] running max
+  float* l = mx + M;          // [M] running sum of exp(score - max)
+  const T* q = static_cast<const T*>(a.q);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* qr = q + a.rows[r0 + j] * a.q_rs + h * G * a.q_hs;
+    for (int64_t g = 0; g < G; ++g) {
+      float* qi = qf + (j * G + g) * d;
+      for (int64_t c = 0; c < d; ++c) qi[c] = load(qr + g * a.q_hs, c) * a.scale;
+    }
+  }
+  std::fill(acc, acc + M * d, 0.0f);
+  std::fill(mx, mx + M, NEG_INF);
+  std::fill(l, l + M, 0.0f);
+  const T* kh = static_cast<const T*>(a.k) + h * a.k_hs;
+  const T* vh = static_cast<const T*>(a.v) + h * a.v_hs;
+  const Mask& m0 = a.valid[b];
+  const Mask& m1 = a.draft_valid[b].ptr ? a.draft_valid[b] : m0;
+  int64_t pos = 0;  // the run's first slot in the request's order
+  for (int64_t r = a.run_off[b]; r < a.run_off[b + 1]; ++r) {
+    const int64_t first = a.runs[2 * r], len = a.runs[2 * r + 1];
+    const int64_t lo = std::max(u.lo, pos), hi = std::min(u.hi, pos + len);
+    for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
+      const int64_t tn = std::min(TILE, hi - t0);
+      const int64_t slot = first + t0 - pos;
+      // scores [M, tn]: the tile's K rows in fp32 once, each query row against them
+      for (int64_t t = 0; t < tn; ++t) {
+        const T* kr = kh + (slot + t) * a.k_ss;
+        float* kt = tf + t * d;
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) kt[c] = load(kr, c);
+      }
+      for (int64_t i = 0; i < M; ++i) {
+        const float* qi = qf + i * d;
+        float* si = s + i * TILE;
+        for (int64_t t = 0; t < tn; ++t) {
+          const float* kt = tf + t * d;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t c = 0; c < d; ++c) dot += qi[c] * kt[c];
+          si[t] = dot;
+        }
+      }
+      for (int64_t j = 0; j < n; ++j) {  // masks, per row class
+        const Mask& mk = j ? m1 : m0;
+        if (!mk.ptr) continue;
+        const uint8_t* mp = mk.ptr + h * mk.hs + t0 * mk.ss;
+        for (int64_t g = 0; g < G; ++g) {
+          float* si = s + (j * G + g) * TILE;
+          for (int64_t t = 0; t < tn; ++t)
+            if (!mp[t * mk.ss]) si[t] = NEG_INF;
+        }
+      }
+      // online softmax: scores -> probabilities against the running max
+      for (int64_t i = 0; i < M; ++i) {
+        float* si = s + i * TILE;
+        float tmax = NEG_INF;
+#pragma omp simd reduction(max : tmax)
+        for (int64_t t = 0; t < tn; ++t) tmax = std::max(tmax, si[t]);
+        const float mnew = std::max(mx[i], tmax);
+        if (mnew == NEG_INF) {  // nothing seen yet: nothing to add
+          std::fill(si, si + tn, 0.0f);
+          continue;
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < tn; ++t) {
+          const float p = fexp(si[t] - mnew);
+          si[t] = p;
+          sum += p;
+        }
+        if (mnew != mx[i]) {
+          const float corr = fexp(mx[i] - mnew);  // 0 while mx is -inf
+          float* ai = acc + i * d;
+#pragma omp simd
+          for (int64_t c = 0; c < d; ++c) ai[c] *= corr;
+          l[i] *= corr;
+          mx[i] = mnew;
+        }
+        l[i] += sum;
+      }
+      // values: the tile's V rows in fp32 once, each query row's weighted sum in registers
+      for (int64_t t = 0; t < tn; ++t) {
+        const T* vr = vh + (slot + t) * a.v_ss;
+        float* vt = tf + t * d;
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) vt[c] = load(vr, c);
+      }
+      for (int64_t i = 0; i < M; ++i) {
+        const float* pi = s + i * TILE;
+        float* ai = acc + i * d;
+        if constexpr (D > 0) {
+          float reg[D];
+#pragma omp simd
+          for (int64_t c = 0; c < D; ++c) reg[c] = ai[c];
+          for (int64_t t = 0; t < tn; ++t) {
+            const float p = pi[t];
+            const float* vt = tf + t * D;
+#pragma omp simd
+            for (int64_t c = 0; c < D; ++c) reg[c] += p * vt[c];
+          }
+#pragma omp simd
+          for (int64_t c = 0; c < D; ++c) ai[c] = reg[c];
+        } else {
+          for (int64_t t = 0; t < tn; ++t) {
+            const float p = pi[t];
+            const float* vt = tf + t * d;
+#pragma omp simd
+            for (int64_t c = 0; c < d; ++c) ai[c] += p * vt[c];
+          }
+        }
+      }
+    }
+    pos += len;
+  }
+  if (u.last && n > 1) {  // draft j's own K/V: one more slot that only its rows see
+    const T* ke = static_cast<const T*>(a.ke) + h * a.ke_hs;
+    const T* ve = static_cast<const T*>(a.ve) + h * a.ve_hs;
+    float* kf = tf;
+    float* vf = tf + d;
+    for (int64_t j = 1; j < n; ++j) {
+      const int64_t row = a.extra[r0 + j];
+      for (int64_t c = 0; c < d; ++c) kf[c] = load(ke + row * a.ke_ss, c);
+      for (int64_t c = 0; c < d; ++c) vf[c] = load(ve + row * a.ve_ss, c);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = j * G + g;
+        float dot = 0.0f;
+        for (int64_t c = 0; c < d; ++c) dot += qf[i * d + c] * kf[c];
+        attend_one(dot, vf, acc + i * d, mx[i], l[i], d);
+      }
+    }
+  }
+  if (u.part >= 0) {  // [M, d] weighted values, then [M] maxima, [M] sums
+    float* p = partials + u.part;
+    std::copy(acc, acc + M * d, p);
+    std::copy(mx, mx + M, p + M * d);
+    std::copy(l, l + M, p + M * d + M);
+    return;
+  }
+  T* out = static_cast<T*>(a.out);
+  for (int64_t j = 0; j < n; ++j) {
+    T* orow = out + a.rows[r0 + j] * a.o_rs + h * G * a.o_hs;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = j * G + g;
+      const float inv = 1.0f / l[i];  // 0 seen: 0/0, NaN, as a softmax over no slot
+      for (int64_t c = 0; c < d; ++c) store(orow + g * a.o_hs, c, acc[i * d + c] * inv);
+    }
+  }
+}
+
+// The chunks of one (request, head) merged by log-sum-exp into its output rows
+template <typename T>
+void merge(const Args& a, const Unit* units, int64_t chunks, const float* partials) {
+  const int64_t d = a.d, G = a.group, b = units[0].b, h = units[0].h;
+  const int64_t r0 = a.row_off[b], n = a.row_off[b + 1] - r0, M = n * G;
+  std::vector<float> o(d);
+  T* out = static_cast<T*>(a.out);
+  for (int64_t i = 0; i < M; ++i) {
+    float mstar = NEG_INF;
+    for (int64_t c = 0; c < chunks; ++c)
+      mstar = std::max(mstar, partials[units[c].part + M * d + i]);
+    float total = 0.0f;
+    std::fill(o.begin(), o.end(), 0.0f);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* p = partials + units[c].part;
+      const float wc = mstar == NEG_INF ? 0.0f : fexp(p[M * d + i] - mstar);
+      total += wc * p[M * d + M + i];
+      for (int64_t e = 0; e < d; ++e) o[e] += wc * p[i * d + e];
+    }
+    const int64_t j = i / G, g = i % G;
+    T* orow = out + a.rows[r0 + j] * a.o_rs + (h * G + g) * a.o_hs;
+    const float inv = 1.0f / total;
+    for (int64_t e = 0; e < d; ++e) store(orow, e, o[e] * inv);
+  }
+}
+
+using UnitsFn = void (*)(const Args&, const Unit*, int64_t, float*);
+
+template <typename T, int D>
+OASIS_INLINE void run_units(const Args& a, const Unit* u, int64_t count, float* partials) {
+  std::vector<float> buf;
+  for (int64_t i = 0; i < count; ++i) run_unit<T, D>(a, u[i], partials, buf);
+}
+
+// One copy of the kernels per instruction set: the compiler vectorizes each for its own
+#define OASIS_KERNELS(ISA, ATTR)                                                             \
+  ATTR void ISA##_f32_64(const Args& a, const Unit* u, int64_t n, float* p) {               \
+    run_units<float, 64>(a, u, n, p);                                                        \
+  }                                                                                          \
+  ATTR void ISA##_f32_128(const Args& a, const Unit* u, int64_t n, float* p) {              \
+    run_units<float, 128>(a, u, n, p);                                                       \
+  }                                                                                          \
+  ATTR void ISA##_f32_any(const Args& a, const Unit* u, int64_t n, float* p) {              \
+    run_units<float, 0>(a, u, n, p);                                                         \
+  }                                                                                          \
+  ATTR void ISA##_bf16_64(const Args& a, const Unit* u, int64_t n, float* p) {              \
+    run_units<uint16_t, 64>(a, u, n, p);                                                     \
+  }                                                                                          \
+  ATTR void ISA##_bf16_128(const Args& a, const Unit* u, int64_t n, float* p) {             \
+    run_units<uint16_t, 128>(a, u, n, p);                                                    \
+  }                                                                                          \
+  ATTR void ISA##_bf16_any(const Args& a, const Unit* u, int64_t n, float* p) {             \
+    run_units<uint16_t, 0>(a, u, n, p);                                                      \
+  }                                                                                          \
+  UnitsFn ISA##_pick(bool bf16, int64_t d) {                                                 \
+    if (bf16) return d == 64 ? ISA##_bf16_64 : d == 128 ? ISA##_bf16_128 : ISA##_bf16_any;  \
+    return d == 64 ? ISA##_f32_64 : d == 128 ? ISA##_f32_128 : ISA##_f32_any;               \
+  }
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define OASIS_X86 1
+OASIS_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))))
+OASIS_KERNELS(avx2, __attribute__((target("avx2,fma"))))
+#endif
+OASIS_KERNELS(base, )
+
+// The instruction sets this CPU runs, best first
+std::vector<std::string> isas() {
+  std::vector<std::string> out;
+#ifdef OASIS_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("fma"))
+    out.push_back("avx512");
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back("avx2");
+#endif
+  out.push_back("base");
+  return out;
+}
+
+UnitsFn pick(const std::string& isa, bool bf16, int64_t d) {
+#ifdef OASIS_X86
+  if (isa == "avx512") return avx512_pick(bf16, d);
+  if (isa == "avx2") return avx2_pick(bf16, d);
+#endif
+  return base_pick(bf16, d);
+}
+
+Mask mask_of(const std::optional<at::Tensor>& m, int64_t hkv, int64_t total) {
+  Mask out;
+  if (!m.has_value()) return out;
+  const at::Tensor& t = *m;
+  TORCH_CHECK(t.scalar_type() == at::kBool && t.dim() == 2 && t.size(0) == hkv &&
+                  t.size(1) >= total && t.device().is_cpu(),
+              "a mask is a CPU bool [Hkv, >= slots attended] tensor");
+  out.ptr = reinterpret_cast<const uint8_t*>(t.data_ptr<bool>());
+  out.hs = t.stride(0);
+  out.ss = t.stride(1);
+  return out;
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.device().is_cpu(), name,
+              ": a CPU [., ., d] tensor whose last dim is contiguous");
+}
+
+const int64_t* ints(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous() &&
+                  t.device().is_cpu(), name, ": a contiguous CPU int64 vector");
+  return t.data_ptr<int64_t>();
+}
+
+}  // namespace
+
+// out, q [N, H, d]; k, v [Hkv, S, d]; ke, ve [Hkv, E, d]; rows/row_off, runs/run_off, extra:
+// see Args; valid/draft_valid per request. min_chunk: the fewest slots a split chunk holds.
+void decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+            const at::Tensor& ke, const at::Tensor& ve, const at::Tensor& rows,
+            const at::Tensor& row_off, const at::Tensor& runs, const at::Tensor& run_off,
+            const at::Tensor& extra, const std::vector<std::optional<at::Tensor>>& valid,
+            const std::vector<std::optional<at::Tensor>>& draft_valid, double scale,
+            int64_t min_chunk, const std::string& isa) {
+  check_rows(out, "out");
+  check_rows(q, "q");
+  check_rows(k, "k");
+  check_rows(v, "v");
+  check_rows(ke, "ke");
+  check_rows(ve, "ve");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(out.scalar_type() == dtype && k.scalar_type() == dtype &&
+                  v.scalar_type() == dtype && ke.scalar_type() == dtype &&
+                  ve.scalar_type() == dtype, "q, out and the K/V are of one dtype");
+  const int64_t hkv = k.size(0), d = q.size(2), heads = q.size(1);
+  TORCH_CHECK(heads % hkv == 0 && out.sizes() == q.sizes() && k.size(2) == d &&
+                  v.sizes() == k.sizes() && ke.size(0) == hkv && ke.size(2) == d &&
+                  ve.sizes() == ke.sizes(), "shapes: out, q [N, H, d]; k, v [Hkv, S, d]; "
+              "ke, ve [Hkv, E, d], H a multiple of Hkv");
+  const int64_t B = row_off.numel() - 1;
+  TORCH_CHECK(B >= 0 && run_off.numel() == B + 1 && (int64_t)valid.size() == B &&
+                  (int64_t)draft_valid.size() == B && extra.numel() == rows.numel(),
+              "one row_off, run_off, mask and draft mask entry per request");
+  Args a{q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+         k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+         ke.data_ptr(), ke.stride(0), ke.stride(1), ve.data_ptr(), ve.stride(0), ve.stride(1),
+         heads / hkv, d, float(scale), ints(rows, "rows"), ints(row_off, "row_off"),
+         ints(runs, "runs"), ints(run_off, "run_off"), ints(extra, "extra"), {}, {}};
+  // bounds: a bad index would read outside the pools
+  const int64_t N = q.size(0), S = k.size(1), E = ke.size(1);
+  TORCH_CHECK(a.row_off[0] == 0 && a.row_off[B] == rows.numel() && a.run_off[0] == 0 &&
+                  2 * a.run_off[B] == runs.numel(),
+              "row_off and run_off start at 0 and end at the rows and runs given");
+  std::vector<int64_t> total(B, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(a.row_off[b] < a.row_off[b + 1] && a.run_off[b] <= a.run_off[b + 1],
+                "each request has rows and runs in order");
+    for (int64_t r = a.run_off[b]; r < a.run_off[b + 1]; ++r) {
+      const int64_t first = a.runs[2 * r], len = a.runs[2 * r + 1];
+      TORCH_CHECK(first >= 0 && len >= 0 && first + len <= S, "a run outside the pool");
+      total[b] += len;
+    }
+    for (int64_t i = a.row_off[b]; i < a.row_off[b + 1]; ++i) {
+      TORCH_CHECK(a.rows[i] >= 0 && a.rows[i] < N, "a row outside q");
+      TORCH_CHECK(i == a.row_off[b] || (a.extra[i] >= 0 && a.extra[i] < E),
+                  "a draft's own K/V row outside ke/ve");
+    }
+    a.valid.push_back(mask_of(valid[b], hkv, total[b]));
+    a.draft_valid.push_back(mask_of(draft_valid[b], hkv, total[b]));
+  }
+  const auto names = isas();
+  const std::string chosen = isa.empty() ? names.front() : isa;
+  TORCH_CHECK(std::find(names.begin(), names.end(), chosen) != names.end(),
+              "instruction set ", chosen, " is not available on this CPU");
+  const UnitsFn fn = pick(chosen, dtype == at::kBFloat16, d);
+
+  // units: each (request, head) whole, or in chunks when there are fewer than the threads
+  // can share evenly (4 per thread)
+  const int64_t threads = at::get_num_threads(), items = B * hkv;
+  std::vector<Unit> units;
+  std::vector<std::pair<int64_t, int64_t>> split;  // (first unit, chunks) of split items
+  int64_t part = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t M = (a.row_off[b + 1] - a.row_off[b]) * a.group;
+    int64_t chunks = 1;
+    if (threads > 1 && items < 4 * threads)
+      chunks = std::max<int64_t>(1, std::min((4 * threads + items - 1) / items,
+                                             total[b] / std::max<int64_t>(1, min_chunk)));
+    for (int64_t h = 0; h < hkv; ++h) {
+      if (chunks > 1) split.emplace_back(units.size(), chunks);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t lo = total[b] * c / chunks, hi = total[b] * (c + 1) / chunks;
+        units.push_back({b, h, lo, hi, chunks > 1 ? part : -1, c == chunks - 1});
+        if (chunks > 1) part += M * d + 2 * M;
+      }
+    }
+  }
+  std::vector<float> partials(part);
+  at::parallel_for(0, units.size(), 1, [&](int64_t lo, int64_t hi) {
+    fn(a, units.data() + lo, hi - lo, partials.data());
+  });
+  if (split.empty()) return;
+  at::parallel_for(0, split.size(), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const Unit* u = units.data() + split[i].first;
+      if (dtype == at::kBFloat16)
+        merge<uint16_t>(a, u, split[i].second, partials.data());
+      else
+        merge<float>(a, u, split[i].second, partials.data());
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode", &decode, "grouped decode attention over K/V runs in place (see the source)");
+  m.def("isas", &isas, "the instruction sets this CPU runs, best first");
+}
