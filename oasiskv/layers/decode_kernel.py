@@ -2,8 +2,8 @@
 machine's C++ compiler on first use, cached, and loaded; `layers/kernel_attention.py` calls it.
 
 oneDNN's bf16 products read the decode shapes at ~5 GB/s per thread, far from what the memory
-gives; the kernel reads each K/V row once, in place, with an online softmax, and runs at the
-bandwidth. Its source is compiled once per (source, torch, Python, flags) into
+gives; the kernel reads each K/V row once, in place, with an online softmax (not yet faster:
+see below). Its source is compiled once per (source, torch, Python, flags) into
 `$OASISKV_CACHE/ext/` (default ~/.cache/oasiskv/ext; `scripts/setup.sh` builds it), so a run
 pays the ~1 minute build only on a fresh machine, at engine start (`extension()` from the
 runner), never inside a request. The one binary runs on any x86-64 CPU: its loops are compiled
@@ -81,7 +81,7 @@ def extension(source: Path | None = None) -> ModuleType | None:
     except Exception as e:  # any failure of a native build falls back, never fails the run
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         warnings.warn(f"the decode-attention kernel could not be built or loaded ({reason}); "
-                      "decoding with layers/gqa.py, which is slower", RuntimeWarning,
+                      "decoding with layers/gqa.py", RuntimeWarning,
                       stacklevel=2)
         return None
     _loaded[source] = ext
