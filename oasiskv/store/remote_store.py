@@ -18,8 +18,9 @@ segment_bytes=<memory this worker lends to the pool; 0 for a pure reader>)`. Met
 P2PHANDSHAKE, so no etcd or HTTP metadata server is needed. Objects live in the segment of the
 client that put them (or any mounted segment): if that process dies its blocks are gone, and
 reads fail with RemoteStoreError once the master notices (client_ttl, default 10 s).
-Size the pool for the working data: Mooncake evicts objects when segments pass its high
-watermark, and an evicted block reads as missing.
+Run the master with its eviction off (`-eviction_ratio=0 -eviction_high_watermark_ratio=1.0`,
+as `store/mooncake.py` starts it): by default it drops the oldest objects past its high
+watermark, live requests' blocks too, and an evicted block reads as missing.
 
 A full store refuses a put with `StoreFull` (InProcessStore past its optional `capacity_bytes`;
 Mooncake's code -200 NO_AVAILABLE_HANDLE, no room in any mounted segment), and the put's

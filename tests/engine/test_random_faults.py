@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import requests_in
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from conftest import requests_in
 from test_faults import EXACT, GREEDY, ObservingDrafter, clean, drive, prompts_of
 
 from oasiskv import LLM

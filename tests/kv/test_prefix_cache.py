@@ -26,7 +26,7 @@ def blocks_of(tokens: list[int], layers: int = 1) -> torch.Tensor:
 
 
 def cache(capacity_entries: int, layers: int = 1, store=None) -> PrefixCache:
-    store = store or InProcessStore(SHAPE, torch.float32)
+    store = store if store is not None else InProcessStore(SHAPE, torch.float32)
     return PrefixCache(store, layers, 2, capacity_entries * layers * ENTRY)
 
 

@@ -22,7 +22,8 @@ def host_kv() -> torch.Tensor:
 
 
 def tier_and_seq(prefix_cache_bytes: int = 0, store: InProcessStore | None = None):
-    tier = RemoteTier(store or InProcessStore(SHAPE, torch.float32), host_kv(), block_size=2,
+    store = store if store is not None else InProcessStore(SHAPE, torch.float32)
+    tier = RemoteTier(store, host_kv(), block_size=2,
                       f_host=0.34, working_set=1, tag="e1",
                       prefix_cache_bytes=prefix_cache_bytes)
     return tier, request("r1", list(range(10, 17)))
