@@ -185,6 +185,12 @@ class CacheConfig:
         "256MiB", "mooncake: host memory this engine lends to the store, where its puts (a "
         "prefill worker's prompt blocks) can land; 0 on a decode-only worker, so that prompt "
         "blocks stay on the prefill host")
+    prefix_cache_bytes: int | str = _field(
+        "1GiB", "sparse with a remote_store: bytes of complete prompt blocks this engine keeps "
+        "in the store after their requests end (the prefix cache, LRU), so that a later prompt "
+        "with the same prefix on any engine sharing the store reads them instead of computing "
+        "them; per engine (N prefill workers: at most N times this); 0: cache nothing (still "
+        "reuses what other engines cached)")
     f_host: float = _field(
         1.0, "sparse with a remote_store: decode-host residency ratio of prompt blocks; a "
         "request keeps ceil(f_host*P) of its P complete prompt blocks on the host (at least "

@@ -203,8 +203,9 @@ def _check_remote(c: Any) -> None:
         raise ValueError("dense_layers with remote_store is not supported yet (the dense "
                          "layers' device copy is indexed by host blocks, which a remote "
                          "store's host caches evict)")
-    if parse_budget("remote_lend", c.remote_lend) < 0:
-        raise ValueError(f"remote_lend must be >= 0 bytes, got {c.remote_lend!r}")
+    for name in ("remote_lend", "prefix_cache_bytes"):
+        if parse_budget(name, getattr(c, name)) < 0:
+            raise ValueError(f"{name} must be >= 0 bytes, got {getattr(c, name)!r}")
     if not 0 < c.f_host <= 1:
         raise ValueError(f"f_host must be in (0, 1], got {c.f_host}")
     if c.f_host < 1 and spec == "none":

@@ -15,5 +15,6 @@ class RequestOutput:
     metrics: RequestMetrics
     stop_reason: str | int | None = None  # the stop string or token that ended it
     error: str | None = None
+    retryable: bool = False  # the error is a want of room (a full store): retry later
     logprobs: list[float] | None = None  # per generated token, when the request asked
     handoff: object | None = None  # finish_reason "handoff": a kv.handoff.Handoff

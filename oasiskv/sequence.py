@@ -94,6 +94,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)  # per output token, if asked
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
+    retryable: bool = False  # its error is a want of room (a full store), not its own fault
     stop_reason: str | int | None = None
     output_text: str = ""
     suspect: bool = False  # a batch it was in failed; it runs alone until it succeeds

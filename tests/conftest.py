@@ -36,6 +36,13 @@ ARCHS = {
 }
 
 
+def requests_in(store) -> set[str]:
+    """The store's namespaces but prefix-cache entries (which outlive their requests)."""
+    from oasiskv.kv.prefix_cache import is_entry
+
+    return {n for n in store.namespaces() if not is_entry(n)}
+
+
 def build_tokenizer(vocab_size: int = 320) -> transformers.PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

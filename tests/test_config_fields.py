@@ -430,6 +430,25 @@ def _f_host(ctx: Ctx) -> None:
     assert half.tokens == full.tokens
 
 
+@row("prefix_cache_bytes")
+def _prefix_cache_bytes(ctx: Ctx) -> None:
+    """A prompt run again after its request ended reads its complete blocks (but the last
+    token's) from the prefix cache: all 6 by default, as many as the capacity holds (2 blocks'
+    worth), none with 0; the tokens are the same."""
+    kw = dict(kv_mode="sparse", top_k=2, remote_store="inprocess")
+
+    def first(llm: LLM) -> None:
+        llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+
+    runs = {cap: run(ctx.path, [PROMPTS[0]], setup=first, **kw,
+                     **({} if cap is None else {"prefix_cache_bytes": cap}))
+            for cap in (None, 2 * BYTES_PER_BLOCK, 0)}
+    assert [r.stats["prefix_reused_tokens"] for r in runs.values()] == [6 * B, 2 * B, 0]
+    assert [r.stats["prefix_cache_bytes"] for r in runs.values()] == [
+        6 * BYTES_PER_BLOCK, 2 * BYTES_PER_BLOCK, 0]
+    assert len({str(r.tokens) for r in runs.values()}) == 1
+
+
 @row("remote_lend")
 def _remote_lend(ctx: Ctx) -> None:
     """Mooncake: the memory an engine lends is where its puts land; lending none, with no

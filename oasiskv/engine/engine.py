@@ -118,6 +118,7 @@ class LLMEngine:
         problem = self.kv.fits_alone(max_context)
         if problem:
             raise ValueError(problem)
+        remote_steps.check_store_room(self, len(ids))
         request_id = request_id or str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -401,6 +402,7 @@ class LLMEngine:
             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens], text=seq.output_text,
             token_ids=out_ids, finished=seq.is_finished, finish_reason=seq.finish_reason,
             metrics=seq.metrics, stop_reason=seq.stop_reason, error=seq.error,
+            retryable=seq.retryable,
             logprobs=seq.logprobs[:len(out_ids)] if seq.params.logprobs else None,
             handoff=seq.handoff if seq.finish_reason == "handoff" else None)
 

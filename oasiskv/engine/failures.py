@@ -45,10 +45,12 @@ class StepFailures:
     finish: Callable[[Sequence, str], None]
     failed: list[Sequence] = field(default_factory=list)
 
-    def fail(self, seq: Sequence, message: str) -> None:
+    def fail(self, seq: Sequence, message: str, retryable: bool = False) -> None:
+        """`retryable`: the request failed for want of room (a full store), not for itself."""
         if seq.is_finished:  # it already ended this step (one outcome per request)
             return
         log.error("request %s failed: %s", seq.request_id, message)
+        seq.retryable = retryable
         self.finish(seq, message)
         self.failed.append(seq)
 

@@ -13,8 +13,10 @@ every injected fault).
   holds what the host tier holds for its computed tokens (both written together);
 - prefetch: no pending job touches a request that is not live (its blocks may be reused);
 - remote store: its namespaces (where it can list them) belong to live requests (or to
-  `foreign` ones: another engine's on a shared store). The prefix index may point to gone
-  namespaces: it is invalidated when a read misses (`RemoteTier.reusable_prefix`).
+  `foreign` ones: another engine's on a shared store) or are prefix-cache entries; the entries
+  this engine owns take at most its prefix_cache_bytes. (An owned entry may be gone from the
+  store: another engine evicted it, and its owner finds out when it evicts it or a read
+  misses, `kv/prefix_cache.py`.)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from oasiskv.engine.stats import device_tensors
 from oasiskv.kv.blocks import BlockPool
+from oasiskv.kv.prefix_cache import is_entry
 from oasiskv.kv.remote_tier import RemoteTier, request_namespaces
 from oasiskv.sequence import Sequence, SequenceStatus
 
@@ -186,8 +189,16 @@ def _device(engine: LLMEngine) -> list[str]:
 
 
 def _store(remote: RemoteTier, live: list[Sequence], foreign: set[str]) -> list[str]:
+    problems = []
+    prefix = remote.prefix
+    if prefix.bytes_held > prefix.capacity_bytes:
+        problems.append(f"the prefix cache holds {prefix.bytes_held} bytes, over its "
+                        f"capacity {prefix.capacity_bytes}")
     held = set(foreign).union(*(request_namespaces(s) for s in live))
     stored = remote.store.namespaces()
-    if stored is None or stored <= held:
-        return []
-    return [f"the store holds namespaces {sorted(stored - held)} of no live request"]
+    if stored is None:
+        return problems
+    stray = {n for n in stored - held if not is_entry(n)}
+    if stray:
+        problems.append(f"the store holds namespaces {sorted(stray)} of no live request")
+    return problems

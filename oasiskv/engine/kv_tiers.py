@@ -27,6 +27,7 @@ from oasiskv.kv.device_budget import (
     split_sparse,
     summary_bytes,
 )
+from oasiskv.kv.prefix_cache import model_fingerprint
 from oasiskv.kv.remote_tier import RemoteTier, open_store
 from oasiskv.kv.rerank import warm_up_rerank
 from oasiskv.kv.residency import SparseKV
@@ -115,7 +116,7 @@ def _build_sparse(owner: object, model: LlamaForCausalLM, cache: CacheConfig, mc
     pool = BlockPool(split.kv_blocks, block)
     host_kv = allocate_kv(mc, host_blocks, block, dtype, pin=torch.cuda.is_available())
     host_pool = BlockPool(host_blocks, block)
-    remote = build_remote(owner, cache, mc, dtype, host_kv)
+    remote = build_remote(owner, cache, mc, dtype, host_kv, model)
     kv = KVAllocator(pool, host_pool, slab_blocks=cache.slab_blocks,
                      summaries=None if remote is None else BlockPool(split.summary_ids, block),
                      summary_room=split.summary_room)
@@ -141,8 +142,9 @@ def _build_sparse(owner: object, model: LlamaForCausalLM, cache: CacheConfig, mc
 
 
 def build_remote(owner: object, cache: CacheConfig, mc: ModelConfig, dtype: torch.dtype,
-                 host_kv: torch.Tensor) -> RemoteTier | None:
-    """The remote tier over `cache.remote_store` (None without one)."""
+                 host_kv: torch.Tensor, model: LlamaForCausalLM) -> RemoteTier | None:
+    """The remote tier over `cache.remote_store` (None without one); its prefix cache's
+    entries are keyed to the model's fingerprint."""
     store = open_store(cache.remote_store,
                        (2, mc.num_kv_heads, cache.block_size, mc.head_dim), dtype,
                        parse_bytes(cache.remote_lend))
@@ -150,7 +152,9 @@ def build_remote(owner: object, cache: CacheConfig, mc: ModelConfig, dtype: torc
         return None
     weakref.finalize(owner, store.close)
     return RemoteTier(store, host_kv, cache.block_size, cache.f_host,
-                      cache.top_k * mc.num_kv_heads)
+                      cache.top_k * mc.num_kv_heads,
+                      prefix_cache_bytes=parse_bytes(cache.prefix_cache_bytes),
+                      seed=model_fingerprint(model, dtype))
 
 
 def warm_up(sparse: SparseKV, cache: CacheConfig, mc: ModelConfig) -> None:

@@ -19,7 +19,7 @@ from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.kv.handoff import TRANSFERS, Handoff, receive_handoff, take_handoff
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.sequence import Sequence
-from oasiskv.store.remote_store import RemoteStoreError
+from oasiskv.store.remote_store import RemoteStoreError, StoreFull
 
 if TYPE_CHECKING:
     from oasiskv.engine.engine import LLMEngine
@@ -38,9 +38,24 @@ def check_transfer(engine: LLMEngine, transfer: str) -> None:
         raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
 
 
+def check_store_room(engine: LLMEngine, num_prompt_tokens: int) -> None:
+    """A prompt whose complete blocks exceed the store's whole capacity (where the client
+    knows it) could never be stored: refused at admission rather than after its prefill."""
+    remote = engine.remote
+    capacity = None if remote is None else remote.store.capacity_bytes
+    if capacity is None:
+        return
+    need = (num_prompt_tokens // remote.block_size) * remote.prefix.num_layers * (
+        remote.store.block_bytes)
+    if need > capacity:
+        raise ValueError(f"prompt has {num_prompt_tokens} tokens: its complete blocks need "
+                         f"{need} bytes of the remote store, whose capacity is {capacity} "
+                         "bytes")
+
+
 def reuse_prefix(engine: LLMEngine, seq: Sequence) -> None:
-    """A new request whose prompt begins with blocks another request put to the store reads
-    their K/V instead of computing them again (prefix reuse)."""
+    """A new request whose prompt begins with blocks the prefix cache holds (put there by
+    this or another engine on the store) reads their K/V instead of computing them again."""
     if engine.remote is None or seq.num_computed_tokens or seq.handoff is not None:
         return
     kv = engine.remote.reusable_prefix(seq.token_ids[:seq.num_prompt_tokens])
@@ -146,7 +161,7 @@ def store_prompts(engine: LLMEngine, batch: ScheduledBatch, failures: StepFailur
         except Exception as e:  # noqa: BLE001 - fails this request only
             engine.remote.remove(engine.remote.namespace(seq.request_id))  # what got there
             failures.fail(seq, f"remote tier: storing the prompt of request {seq.request_id} "
-                               f"failed: {_why(e)}")
+                               f"failed: {_why(e)}", retryable=isinstance(e, StoreFull))
 
 
 def hand_off(engine: LLMEngine, seqs: list[Sequence], failures: StepFailures) -> None:
@@ -161,6 +176,7 @@ def hand_off(engine: LLMEngine, seqs: list[Sequence], failures: StepFailures) ->
             seq.handoff = take_handoff(sparse, seq, seq.transfer)
         except Exception as e:  # noqa: BLE001 - fails this request only
             failures.fail(seq, f"remote tier: putting the hand-over of request "
-                               f"{seq.request_id} failed: {_why(e)}")
+                               f"{seq.request_id} failed: {_why(e)}",
+                          retryable=isinstance(e, StoreFull))
             continue
         engine._finish(seq, "handoff")

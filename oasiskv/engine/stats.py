@@ -48,7 +48,10 @@ def host_cache_stats(engine: LLMEngine) -> dict:
     c = engine.sparse.counters
     caches = {s.request_id: s.host_cache for s in engine.scheduler.running if s.host_cache}
     peak = max([engine.host_cache_peak] + [h.peak for h in caches.values()])
+    prefix = engine.remote.prefix
     return {"remote_bytes": c.remote_bytes, "remote_put_bytes": c.remote_put_bytes,
+            "prefix_put_bytes": c.prefix_put_bytes, "prefix_cache_bytes": prefix.bytes_held,
+            "prefix_cache_evictions": prefix.evictions,
             "remote_blocks": c.remote_blocks, "host_evictions": c.host_evictions,
             "host_cache_peak_blocks": peak,
             "host_cache": {rid: {"blocks": h.resident(), "peak": h.peak,

@@ -19,6 +19,7 @@ class SparseCounters:
     remote_bytes: int = 0  # remote store -> host cache: misses fetched during decode
     remote_blocks: int = 0  # ... in blocks (one layer's block each)
     remote_put_bytes: int = 0  # host -> remote store: complete prompt blocks after prefill
+    prefix_put_bytes: int = 0  # ... and copies of them into prefix-cache entries
     handoff_bytes: int = 0  # decode worker: hand-overs' admission bytes (kept blocks + rest)
     host_evictions: int = 0  # prompt blocks the host caches dropped (still in the store)
     stall_s: float = 0.0  # foreground time waiting for prefetch jobs

@@ -26,9 +26,11 @@ class PromptStore:
         """Remote store, after the request's prefill: its complete prompt blocks go to the
         store and a bounded host cache takes over (the allocator frees the other blocks).
         Raises RemoteStoreError when the put fails."""
-        before = self.remote.store.bytes_put
+        store, prefix = self.remote.store, self.remote.prefix
+        before, cached = store.bytes_put, prefix.bytes_put
         seq.host_cache = self.remote.put_prompt(seq)
-        self._count(remote_put_bytes=self.remote.store.bytes_put - before)
+        self._count(remote_put_bytes=store.bytes_put - before - (prefix.bytes_put - cached),
+                    prefix_put_bytes=prefix.bytes_put - cached)
 
     def summarize_prefill(self, seq: Sequence, start: int, end: int) -> None:
         """Summaries of the blocks that the prefill chunk [start, end) completed."""

@@ -5,6 +5,11 @@ Store keys are (namespace = request id, layer, logical block), one block `[2, Hk
 key, so a layer's remote stage fetches exactly the blocks its admissions miss. A failing fetch
 fails only the requests whose blocks failed: the error names keys, and their namespaces say
 whose; an error naming none is narrowed down by fetching each request's blocks alone.
+
+Beside its request's namespace a prompt's complete blocks also go to the prefix cache, where
+they outlive the request and any engine on the store finds them by content
+(`kv/prefix_cache.py`). A put that finds the store full first evicts this engine's least recent
+prefix-cache entries; a put that fails leaves nothing of itself behind.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from oasiskv.kv.host_cache import HostCache, prompt_capacity
+from oasiskv.kv.prefix_cache import PrefixCache
 from oasiskv.sequence import Sequence
 from oasiskv.store.remote_store import (
     BlockKey,
@@ -26,6 +32,7 @@ from oasiskv.store.remote_store import (
     MooncakeStore,
     RemoteStore,
     RemoteStoreError,
+    StoreFull,
 )
 
 if TYPE_CHECKING:
@@ -71,17 +78,6 @@ def namespace_for(engine_tag: str, request_id: str) -> str:
     return namespace
 
 
-def prefix_hashes(tokens: list[int], block_size: int, num_blocks: int) -> list[str]:
-    """For b < num_blocks, a digest of tokens[:(b+1)*block_size]: equal exactly when two
-    prompts share their first b+1 blocks."""
-    running, out = hashlib.sha256(), []
-    for b in range(num_blocks):
-        chunk = tokens[b * block_size:(b + 1) * block_size]
-        running.update(torch.tensor(chunk, dtype=torch.int64).numpy().tobytes())
-        out.append(running.copy().hexdigest()[:32])
-    return out
-
-
 def request_namespaces(seq: Sequence) -> set[str]:
     """The store namespaces a request holds: its prompt blocks (put after its prefill, or
     handed over to it) and a hand-over's slab not yet taken."""
@@ -115,13 +111,15 @@ class RemoteTier:
     f_host: float
     working_set: int  # K * Hkv: most distinct blocks one layer's working sets can hold
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # this engine's namespaces
-    # prefix reuse: hash of a prompt's first b+1 blocks -> (namespace, b) of a stored copy
-    prefixes: dict[str, tuple[str, int]] = field(default_factory=dict)
-    _indexed: dict[str, list[str]] = field(default_factory=dict)  # namespace -> its hashes
+    prefix_cache_bytes: int = 0  # what this engine's prefix-cache entries may take
+    seed: bytes = b""  # the model's fingerprint (prefix_cache.model_fingerprint)
+    prefix: PrefixCache = field(init=False)
     _arange: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         self._arange = torch.arange(self.block_size)
+        self.prefix = PrefixCache(self.store, self.host_kv.shape[0], self.block_size,
+                                  self.prefix_cache_bytes, self.seed)
 
     def namespace(self, request_id: str) -> str:
         return namespace_for(self.tag, request_id)
@@ -133,9 +131,11 @@ class RemoteTier:
         return (slots[:, None] * self.block_size + self._arange).flatten()
 
     def put_prompt(self, seq: Sequence) -> HostCache:
-        """Puts the request's complete prompt blocks (all layers) to the store and returns its
-        host cache; the caller frees the host blocks the cache does not own. Raises
-        RemoteStoreError when the put fails."""
+        """Puts the request's complete prompt blocks (all layers) to the store, caches the ones
+        no prefix-cache entry holds yet, and returns its host cache; the caller frees the host
+        blocks the cache does not own. A full store first gives up this engine's least recent
+        prefix-cache entries; raises RemoteStoreError (StoreFull: no room even so) when the
+        put fails, having removed what of it arrived."""
         B, L = self.block_size, self.host_kv.shape[0]
         P = seq.num_prompt_tokens // B
         namespace = self.namespace(seq.request_id)
@@ -143,42 +143,34 @@ class RemoteTier:
             kv = self.host_kv[:, :, :, self._tokens(torch.tensor(seq.host_table[:P]))]
             blocks = kv.unflatten(3, (P, B)).permute(0, 3, 1, 2, 4, 5)  # [L, P, 2, Hkv, B, d]
             keys = [BlockKey(namespace, layer, b) for layer in range(L) for b in range(P)]
-            self.store.put_blocks(keys, blocks.reshape(L * P, *blocks.shape[2:]))
-            self._index(namespace, prefix_hashes(seq.token_ids, B, P))
+            data = blocks.reshape(L * P, *blocks.shape[2:])
+            try:
+                self._put_making_room(namespace, keys, data)
+            except RemoteStoreError:
+                self.remove(namespace)  # what arrived: never half-stored
+                raise
+            self.prefix.add(seq.token_ids, blocks)
         return HostCache.create(namespace, seq.host_table, L, P, self.capacity(P))
 
-    def _index(self, namespace: str, hashes: list[str]) -> None:
-        mine = [h for h in hashes if h not in self.prefixes]
-        self.prefixes.update((h, (namespace, hashes.index(h))) for h in mine)
-        self._indexed.setdefault(namespace, []).extend(mine)
+    def _put_making_room(self, namespace: str, keys: list[BlockKey], data: torch.Tensor
+                         ) -> None:
+        try:
+            self.store.put_blocks(keys, data)
+        except StoreFull:
+            # the prefix cache gives way to a request: its least recent entries, as many
+            # bytes as the put needs (or all it has), then one more try
+            if not self.prefix.evict(len(keys) * self.store.block_bytes):
+                raise
+            self.remove(namespace)
+            self.store.put_blocks(keys, data)
 
     def reusable_prefix(self, prompt: list[int]) -> torch.Tensor | None:
         """K/V [L, 2, Hkv, m*B, d] of the longest run of complete blocks that starts the prompt
-        (leaving its last token) and that a request of this engine put to the store, read from
-        there; None when there is none, or when the read fails (the blocks left the store:
-        the prompt is computed as usual)."""
-        B, L = self.block_size, self.host_kv.shape[0]
-        found = []
-        for h in prefix_hashes(prompt, B, (len(prompt) - 1) // B):
-            if h not in self.prefixes:
-                break
-            found.append(self.prefixes[h])
-        if not found:
-            return None
-        keys = [BlockKey(ns, layer, b) for layer in range(L) for ns, b in found]
-        try:
-            out = self.store.get_blocks(keys)  # [L*m, 2, Hkv, B, d]
-        except RemoteStoreError:
-            for namespace in {ns for ns, _ in found}:
-                self._forget(namespace)
-            return None
-        m, (_, hkv, _, d) = len(found), out.shape[1:]
-        return out.view(L, m, 2, hkv, B, d).permute(0, 2, 3, 1, 4, 5).reshape(L, 2, hkv,
-                                                                           m * B, d)
-
-    def _forget(self, namespace: str) -> None:
-        for h in self._indexed.pop(namespace, []):
-            self.prefixes.pop(h, None)
+        (leaving its last token) and that the prefix cache holds (any engine's entries on this
+        store), read from there; None when there is none, or when the read fails (the blocks
+        left the store: the prompt is computed as usual)."""
+        found = self.prefix.find(prompt)
+        return self.prefix.read(found) if found else None
 
     def receive(self, seq: Sequence, namespace: str, blocks: list[torch.Tensor],
                 keep: list[torch.Tensor]) -> tuple[HostCache, int]:
@@ -289,7 +281,6 @@ class RemoteTier:
     def remove(self, namespace: str) -> None:
         """Drops a finished request's blocks from the store (best effort: a store that is
         gone keeps nothing worth removing)."""
-        self._forget(namespace)
         try:
             self.store.remove(namespace)
         except RemoteStoreError:

@@ -21,7 +21,14 @@ import torch
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.outputs import RequestOutput
 from oasiskv.sequence import Sequence
-from oasiskv.serve.errors import APIError, BadRequest, EngineFailure, QueueFull, RequestTimeout
+from oasiskv.serve.errors import (
+    APIError,
+    BadRequest,
+    EngineFailure,
+    QueueFull,
+    RequestTimeout,
+    StoreFullError,
+)
 from oasiskv.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -75,6 +82,9 @@ class RequestStream:
                 self.unfinished.discard(item.request_id)
             if item.finish_reason == "error":
                 self.abort()  # the other prompts of the request: its answer is lost anyway
+                if item.retryable:  # a full store: 503, worth retrying
+                    raise StoreFullError(f"the engine could not take the request now: "
+                                         f"{item.error}")
                 raise EngineFailure(f"the engine failed the request: {item.error}")
             yield item
 

@@ -50,6 +50,16 @@ class QueueFull(APIError):
     type = "service_unavailable_error"
 
 
+class StoreFullError(QueueFull):
+    """The remote store had no room for the request's blocks (its capacity is taken by other
+    requests' and the prefix cache's): nothing of it was kept; retry after a while."""
+
+    RETRY_AFTER_S = 2
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Retry-After": str(self.RETRY_AFTER_S)})
+
+
 class EngineFailure(APIError):
     """The engine failed the request (its own error text) or the stepping loop broke."""
 

@@ -69,6 +69,12 @@ class ServerMetrics:
                               "predicted block-heads already resident", registry=r)
         self.sparse = {k: Counter(P + name, text, registry=r)
                        for k, (name, text) in SPARSE_COUNTERS.items()}
+        self.prefix_reused = Counter(P + "prefix_reused_tokens", "prompt tokens read from the "
+                                     "store's prefix cache instead of computed", registry=r)
+        self.prefix_cache = Gauge(P + "prefix_cache_bytes", "remote store bytes this engine's "
+                                  "prefix-cache entries take", registry=r)
+        self.prefix_evictions = Counter(P + "prefix_cache_evictions", "prefix-cache entries "
+                                        "this engine removed to make room", registry=r)
         self._seen: dict[str, tuple[int, float]] = {}  # request -> (tokens counted, last time)
         self._last: dict[str, float] = {}  # engine counter -> value already counted
 
@@ -118,6 +124,12 @@ class ServerMetrics:
         last = engine.sparse.last_step
         if last.predicted:
             self.hit_rate.set(last.hits / last.predicted)
+        if engine.remote is not None:
+            prefix = engine.remote.prefix
+            self._count(self.prefix_reused, "prefix_reused_tokens",
+                        engine.counters["prefix_reused_tokens"])
+            self.prefix_cache.set(prefix.bytes_held)
+            self._count(self.prefix_evictions, "prefix_cache_evictions", prefix.evictions)
 
     def _count(self, counter: Counter, key: str, total: float) -> None:
         delta = total - self._last.get(key, 0)

@@ -34,7 +34,7 @@ from oasiskv.engine.stats import device_memory
 from oasiskv.kv.handoff import TRANSFERS
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.serve import protocol as p
-from oasiskv.serve.errors import APIError, BadRequest, EngineFailure
+from oasiskv.serve.errors import APIError, BadRequest, EngineFailure, StoreFullError
 from oasiskv.serve.server import ROLES
 from oasiskv.serve.serving import (
     ServerState,
@@ -44,7 +44,7 @@ from oasiskv.serve.serving import (
     response_format,
 )
 from oasiskv.serve.streaming import DONE, KEEPALIVE, SSEResponse
-from oasiskv.store.remote_store import RemoteStoreError
+from oasiskv.store.remote_store import RemoteStoreError, StoreFull
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +161,9 @@ def _prefill(state: ServerState, store, body: PrefillBody, transfer: str) -> Res
                         h = out.handoff
                         await asyncio.to_thread(wire.drop, store, [h.namespace] + (
                             [h.slab_namespace] if h.slab_namespace else []))
-                        raise EngineFailure(f"publishing the hand-over of request "
-                                            f"{out.request_id} failed: {e}") from None
+                        error = StoreFullError if isinstance(e, StoreFull) else EngineFailure
+                        raise error(f"publishing the hand-over of request "
+                                    f"{out.request_id} failed: {e}") from None
                     published.append(desc)
                     item["handoff"] = desc
                 else:

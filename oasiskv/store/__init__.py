@@ -8,6 +8,8 @@ from oasiskv.store.remote_store import (
     MooncakeStore,
     RemoteStore,
     RemoteStoreError,
+    StoreFull,
 )
 
-__all__ = ["BlockKey", "InProcessStore", "MooncakeStore", "RemoteStore", "RemoteStoreError"]
+__all__ = ["BlockKey", "InProcessStore", "MooncakeStore", "RemoteStore", "RemoteStoreError",
+           "StoreFull"]

@@ -29,6 +29,11 @@ from pathlib import Path
 from types import ModuleType
 
 INSTALL_HINT = "bash scripts/setup_mooncake.sh"
+# The master's own eviction off: by default, past its high watermark it silently drops the
+# oldest objects (live requests' blocks too, which then read as missing); without it a full
+# store refuses a put (-200 NO_AVAILABLE_HANDLE), the engine evicts its prefix cache
+# (kv/prefix_cache.py) and refuses the request if there is still no room.
+NO_EVICTION = ("-eviction_ratio=0", "-eviction_high_watermark_ratio=1.0")
 CLONE_NEWNET = 0x40000000
 
 
@@ -140,8 +145,9 @@ def start_master(port: int | None = None, *, host: str = "127.0.0.1", client_ttl
     """Starts `mooncake_master` on host:port and returns once it accepts connections.
 
     Self-contained: no HTTP metadata server (clients use P2PHANDSHAKE), no etcd/HA, metrics
-    HTTP server bound to `host` on a free port. `client_ttl_s` is how long the master keeps a
-    client that stopped heartbeating (its objects answer -800 until then, -704 after);
+    HTTP server bound to `host` on a free port, no eviction (`NO_EVICTION`). `client_ttl_s`
+    is how long the master keeps a client that stopped heartbeating (its objects answer -800
+    until then, -704 after);
     `lease_ttl_ms` is how long a read protects an object from a non-forced remove.
     """
     binary = master_binary()
@@ -158,7 +164,7 @@ def start_master(port: int | None = None, *, host: str = "127.0.0.1", client_ttl
             f"-metrics_host={host}", f"-metrics_port={free_port(host)}",
             "-enable_metric_reporting=false", "-enable_http_metadata_server=false",
             f"-client_ttl={client_ttl_s}", f"-default_kv_lease_ttl={lease_ttl_ms}",
-            "-logtostderr", *extra_args]
+            *NO_EVICTION, "-logtostderr", *extra_args]
     env = dict(os.environ, MC_TCP_BIND_ADDRESS=host)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,

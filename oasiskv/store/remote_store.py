@@ -18,8 +18,13 @@ segment_bytes=<memory this worker lends to the pool; 0 for a pure reader>)`. Met
 P2PHANDSHAKE, so no etcd or HTTP metadata server is needed. Objects live in the segment of the
 client that put them (or any mounted segment): if that process dies its blocks are gone, and
 reads fail with RemoteStoreError once the master notices (client_ttl, default 10 s).
-Size the pool for the working data: Mooncake evicts objects when segments pass its high
-watermark, and an evicted block reads as missing.
+Run the master with its eviction off (`-eviction_ratio=0 -eviction_high_watermark_ratio=1.0`,
+as `store/mooncake.py` starts it): by default it drops the oldest objects past its high
+watermark, live requests' blocks too, and an evicted block reads as missing.
+
+A full store refuses a put with `StoreFull` (InProcessStore past its optional `capacity_bytes`;
+Mooncake's code -200 NO_AVAILABLE_HANDLE, no room in any mounted segment), and the put's
+caller removes what of it arrived (`kv/remote_tier.py`), so no prompt is half-stored.
 """
 
 from __future__ import annotations
@@ -33,6 +38,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from oasiskv.store.errors import (
+    FULL_CODES,
+    TRANSIENT_CODES,
+    RemoteStoreError,
+    StoreFull,
+    StoreUnreachable,
+    describe_keys,
+)
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.:@=+-]+")
 _KEY = re.compile(r"(?P<ns>[A-Za-z0-9_.:@=+-]+)/L(?P<layer>\d+)/B(?P<block>\d+)")
@@ -64,29 +78,6 @@ class BlockKey:
         return cls(m["ns"], int(m["layer"]), int(m["block"]))
 
 
-class RemoteStoreError(RuntimeError):
-    """A block could not be stored or read. `keys` are the blocks that failed, `codes` their
-    backend error codes (None where there is none, e.g. a missing key in InProcessStore)."""
-
-    def __init__(self, message: str, keys: Sequence[BlockKey | str] = (),
-                 codes: Sequence[int | None] = ()) -> None:
-        super().__init__(message)
-        self.keys = list(keys)
-        self.codes = list(codes)
-
-
-class StoreUnreachable(RemoteStoreError, ValueError):
-    """The store cannot be opened at start (its master does not answer): a ValueError, as a
-    bad `remote_store` address is, raised where the engine is built."""
-
-
-def _describe(keys: Sequence[BlockKey | str], codes: Sequence[int | None], limit: int = 8) -> str:
-    parts = [str(k) if c is None else f"{k} ({mooncake_code_name(c)})"
-             for k, c in zip(keys[:limit], codes[:limit], strict=False)]
-    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
-    return ", ".join(parts) + more
-
-
 class RemoteStore(abc.ABC):
     """Whole KV blocks in batches. Subclasses implement `_put`/`_get` on validated, counted
     batches; put overwrites an existing key; get of a missing key raises RemoteStoreError."""
@@ -100,6 +91,7 @@ class RemoteStore(abc.ABC):
         self.block_bytes = math.prod(block_shape) * torch.empty((), dtype=dtype).element_size()
         self.bytes_put = 0
         self.bytes_got = 0
+        self.capacity_bytes: int | None = None  # the most it holds, where the client knows it
 
     def _check(self, keys: Sequence[BlockKey], blocks: torch.Tensor, what: str) -> None:
         want = (len(keys), *self.block_shape)
@@ -161,21 +153,36 @@ class RemoteStore(abc.ABC):
 
 
 class InProcessStore(RemoteStore):
-    """The single-node default: a dict of CPU block copies (`[2, Hkv, B, d]` each)."""
+    """The single-node default: a dict of CPU block copies (`[2, Hkv, B, d]` each).
+    `capacity_bytes` (None: unbounded) bounds what it holds: a put that does not fit raises
+    StoreFull and stores none of its blocks."""
 
-    def __init__(self, block_shape: Sequence[int], dtype: torch.dtype) -> None:
+    def __init__(self, block_shape: Sequence[int], dtype: torch.dtype,
+                 capacity_bytes: int | None = None) -> None:
         super().__init__(block_shape, dtype)
+        self.capacity_bytes = capacity_bytes
         self._blocks: dict[BlockKey, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._blocks)
 
+    @property
+    def bytes_held(self) -> int:
+        return len(self._blocks) * self.block_bytes
+
     def _put(self, keys: list[BlockKey], blocks: torch.Tensor) -> None:
         # Own copies (one allocation per block), so removing a block frees exactly its memory.
         copies = [b.to("cpu", copy=True, memory_format=torch.contiguous_format)
                   for b in blocks.unbind(0)]
         with self._lock:
+            if self.capacity_bytes is not None:  # overwrites take no new room
+                need = sum(k not in self._blocks for k in keys) * self.block_bytes
+                free = self.capacity_bytes - self.bytes_held
+                if need > free:
+                    raise StoreFull(f"remote store is full: {len(keys)} blocks need {need} "
+                                    f"bytes, {free} of its capacity {self.capacity_bytes} "
+                                    f"bytes are free", keys[:1], [None])
             self._blocks.update(zip(keys, copies, strict=True))
 
     def _get(self, keys: list[BlockKey], out: torch.Tensor) -> None:
@@ -184,7 +191,7 @@ class InProcessStore(RemoteStore):
         missing = [k for k, b in zip(keys, found, strict=True) if b is None]
         if missing:
             none = [None] * len(missing)
-            raise RemoteStoreError(f"remote store has no block {_describe(missing, none)}",
+            raise RemoteStoreError(f"remote store has no block {describe_keys(missing, none)}",
                                    missing, none)
         for i, block in enumerate(found):
             out[i].copy_(block)
@@ -207,25 +214,6 @@ class InProcessStore(RemoteStore):
     def close(self) -> None:
         with self._lock:
             self._blocks.clear()
-
-
-# Mooncake Store error codes (mooncake-store/include/types.h) that name what went wrong.
-MOONCAKE_CODES = {
-    -1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND",
-    -200: "NO_AVAILABLE_HANDLE (no room in the mounted segments)",
-    -400: "INVALID_KEY", -600: "INVALID_PARAMS",
-    -703: "REPLICA_IS_NOT_READY", -704: "OBJECT_NOT_FOUND", -705: "OBJECT_ALREADY_EXISTS",
-    -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED", -712: "REPLICA_IS_GONE",
-    -800: "TRANSFER_FAIL", -900: "RPC_FAIL", -901: "RPC_TIMEOUT",
-}
-# Worth retrying: a holder that died but is not yet expired (-800 until the master's client_ttl
-# runs out, then -704, which is final), a replica mid-write, or a master that is unreachable
-# right now (-900/-901: each such call blocks ~4.5 s in Mooncake's reconnect before it returns).
-TRANSIENT_CODES = frozenset({-703, -707, -800, -900, -901})
-
-
-def mooncake_code_name(code: int) -> str:
-    return f"{code} {MOONCAKE_CODES.get(code, 'error')}"
 
 
 class MooncakeStore(RemoteStore):
@@ -323,8 +311,13 @@ class MooncakeStore(RemoteStore):
                 why = "" if fatal else f" after {attempt + 1} attempts (still transient)"
                 bad_keys = [keys[i] for i, _ in bad]
                 bad_codes = [c for _, c in bad]
-                raise RemoteStoreError(f"Mooncake {op} failed{why} for {len(bad)} block(s): "
-                                       f"{_describe(bad_keys, bad_codes)}", bad_keys, bad_codes)
+                text = (f"Mooncake {op} failed{why} for {len(bad)} block(s): "
+                        f"{describe_keys(bad_keys, bad_codes)}")
+                if set(bad_codes) & FULL_CODES:  # no room: what the store's segments lend
+                    raise StoreFull(f"remote store is full (its capacity is the memory its "
+                                    f"clients and storage nodes lend): {text}", bad_keys,
+                                    bad_codes)
+                raise RemoteStoreError(text, bad_keys, bad_codes)
             pending = [i for i, _ in failed]
             time.sleep(max(0.0, min(0.05 * 2 ** attempt, deadline - time.monotonic())))
 

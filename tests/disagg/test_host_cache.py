@@ -14,6 +14,7 @@ from conftest import needs_mooncake
 from oasiskv import LLM, SamplingParams
 from oasiskv.config import CacheConfig
 from oasiskv.kv.host_cache import HostCache
+from oasiskv.kv.prefix_cache import is_entry
 from oasiskv.kv.summaries import round_outward
 from oasiskv.store import BlockKey, RemoteStore, RemoteStoreError
 
@@ -207,7 +208,10 @@ def test_outputs_equal_the_engine_without_a_remote_tier(tiny_llama, f_host, pref
     # same selections, same traffic between host and device
     for key in ("sparse_predicted", "sparse_hits", "sparse_admitted", "sparse_h2d_bytes"):
         assert stats[key] == ref.stats()[key]
-    assert len(llm.engine.sparse.remote.store) == 0  # finished requests left the store
+    # the finished requests left the store; their prompt blocks stay as prefix-cache entries
+    store = llm.engine.sparse.remote.store
+    assert all(map(is_entry, store.namespaces())) and len(store) == P * 2
+    assert stats["prefix_put_bytes"] == P * 2 * block_bytes
     llm.close()
     ref.close()
 
@@ -389,7 +393,8 @@ def test_a_shared_prefix_is_read_from_the_store_not_recomputed(tiny_llama):
         outs.update({o.request_id: o for o in e.step() if o.finished})
     assert [outs["first"].token_ids, outs["second"].token_ids] == want
     assert e.counters["prefill_tokens"] == len(prompts[0]) + len(prompts[1]) - 160
-    # the blocks left the store with their requests: a later prompt is computed in full
+    # the requests left, their prefix-cache entries stay: a later prompt reads all its
+    # complete blocks (but the last token's) from the store
     assert llm.generate([prompts[1]], GREEDY, use_tqdm=False)[0].token_ids == want[1]
-    assert e.counters["prefix_reused_tokens"] == 160
-    assert e.sparse.remote.prefixes == {}
+    assert e.counters["prefix_reused_tokens"] == 160 + (len(prompts[1]) - 1) // 16 * 16
+    assert all(map(is_entry, e.remote.store.namespaces()))

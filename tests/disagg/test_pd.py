@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import needs_mooncake
+from conftest import needs_mooncake, requests_in
 from test_host_cache import GREEDY, SPARSE, Recording, check_host_caches, prompts_of
 
 from oasiskv import LLM, SamplingParams
@@ -43,7 +43,7 @@ def test_pd_gives_the_tokens_of_one_engine(tiny_llama, transfer, f_host, prefetc
                       on_step=lambda engine: check_host_caches(engine, f_host))
     assert [o.token_ids for o in got] == want
     assert all(o.finish_reason == "length" for o in got)
-    assert len(pd.decode.sparse.remote.store) == 0  # finished requests left the store
+    assert requests_in(pd.decode.sparse.remote.store) == set()  # finished requests left it
     pd.close()
 
 
@@ -181,7 +181,7 @@ def test_each_transfer_reads_exactly_its_share_of_the_first_working_sets(tiny_ll
             assert len(installed) > 0 and torch.equal(installed, stored)
         admitted[transfer] = pd.decode.stats()["sparse_handoff_bytes"]
         assert admitted[transfer] == sum(h.admission_bytes for h in handoffs.values())
-        assert len(pd.decode.sparse.remote.store.inner) == 0  # all left with their requests
+        assert requests_in(pd.decode.sparse.remote.store.inner) == set()  # all left
         pd.close()
     assert admitted["slab"] < admitted["partial"] < admitted["full"]
 

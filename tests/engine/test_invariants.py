@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import requests_in
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.engine.invariants import InvariantError
@@ -107,4 +108,4 @@ def test_a_job_for_an_ended_request_and_a_stray_namespace_are_named(sparse):
     while e.has_unfinished():
         e.step()
     e.check_invariants()
-    assert store.namespaces() == set()
+    assert requests_in(store) == set()

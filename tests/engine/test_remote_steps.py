@@ -1,8 +1,11 @@
-"""`engine/remote_steps.py` at admission: what needs a remote store, prefix reuse, and the
-checks and host budget of a handed-over request (each step's traffic is covered end to end
-in tests/disagg and tests/engine/test_faults.py)."""
+"""`engine/remote_steps.py` at admission: what needs a remote store, prefix reuse (across
+engines on one store, after the request that cached it ended), the store's capacity as an
+admission limit, and the checks and host budget of a handed-over request (each step's
+traffic is covered end to end in tests/disagg and tests/engine/test_faults.py)."""
 
 from __future__ import annotations
+
+import uuid
 
 import pytest
 import torch
@@ -11,6 +14,8 @@ from oasiskv import LLM, SamplingParams
 from oasiskv.disagg.pd import DisaggregatedLLM
 from oasiskv.engine import remote_steps
 from oasiskv.kv.host_cache import prompt_capacity
+from oasiskv.kv.prefix_cache import is_entry
+from oasiskv.kv.remote_tier import open_store
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 SPARSE = dict(kv_mode="sparse", top_k=2, f_hbm=0.5, max_num_seqs=3, max_num_batched_tokens=640)
@@ -91,3 +96,64 @@ def test_reuse_prefix_reads_complete_prompt_blocks_from_the_store(tiny_llama):
     handed.handoff = object()  # a hand-over brings its own K/V: nothing is reused
     remote_steps.reuse_prefix(e, handed)
     assert handed.num_computed_tokens == 0 and handed.prefix_kv is None
+
+
+def shared_store(name: str, capacity_blocks: int | None = None):
+    """The tiny model's `inprocess://NAME` store, opened first (to set its capacity: room for
+    that many prompt blocks, both layers); keep it referenced while the engines use it."""
+    store = open_store(name, (2, 2, 16, 16), torch.float32)
+    if capacity_blocks is not None:
+        store.capacity_bytes = capacity_blocks * 2 * store.block_bytes
+    return store
+
+
+def test_a_prefix_one_engine_cached_is_reused_by_another_after_its_request_ended(tiny_llama):
+    name = f"inprocess://pc-{uuid.uuid4().hex[:8]}"
+    store = shared_store(name)
+    shared = prompt(80, seed=11)  # 5 complete blocks
+    prompts = [shared + prompt(30, seed=12), shared + prompt(25, seed=13)]
+    ref = LLM(str(tiny_llama), **SPARSE)  # no store: every prompt computed
+    want = [ref.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts]
+    first = LLM(str(tiny_llama), **SPARSE, remote_store=name, f_host=0.5)
+    assert first.generate([prompts[0]], GREEDY, use_tqdm=False)[0].token_ids == want[0]
+    # its request ended: what stays is the prefix cache, its 6 complete prompt blocks
+    assert len(store.namespaces()) == 6 and all(map(is_entry, store.namespaces()))
+    assert first.stats()["prefix_cache_bytes"] == 6 * 2 * store.block_bytes
+    second = LLM(str(tiny_llama), **SPARSE, remote_store=name, f_host=0.5)
+    assert second.generate([prompts[1]], GREEDY, use_tqdm=False)[0].token_ids == want[1]
+    e = second.engine
+    assert e.counters["prefix_reused_tokens"] == 80
+    assert e.counters["prefill_tokens"] == len(prompts[1]) - 80  # the rest only
+    assert first.engine.counters["prefix_reused_tokens"] == 0
+    # the second cached only the block the first had not: 6 + 1 entries
+    assert len(store.namespaces()) == 7 and len(e.remote.prefix.lru) == 1
+    first.engine.check_invariants()
+    e.check_invariants()
+
+
+def test_a_prompt_the_full_store_cannot_take_fails_clearly_and_alone(tiny_llama):
+    name = f"inprocess://full-{uuid.uuid4().hex[:8]}"
+    store = shared_store(name, capacity_blocks=8)
+    llm = LLM(str(tiny_llama), **SPARSE, remote_store=name, prefix_cache_bytes=0)
+    big, small = prompt(100, seed=1), prompt(60, seed=2)  # 6 and 3 complete blocks
+    ref = LLM(str(tiny_llama), **SPARSE)
+    want = [ref.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in (big, small)]
+    e = llm.engine
+    e.add_request(big, GREEDY, request_id="big")
+    e.add_request(small, GREEDY, request_id="small")
+    outs = {}
+    while e.has_unfinished():
+        outs.update({o.request_id: o for o in e.step() if o.finished})
+        e.check_invariants()
+    assert outs["big"].token_ids == want[0] and outs["big"].finish_reason == "length"
+    fail = outs["small"]
+    assert fail.finish_reason == "error" and fail.retryable
+    assert "remote store is full" in fail.error
+    assert f"capacity {8 * 2 * store.block_bytes} bytes" in fail.error
+    assert not store.namespaces()  # nothing of either is left
+    # once the store has room again the same prompt goes through
+    assert llm.generate([small], GREEDY, use_tqdm=False)[0].token_ids == want[1]
+    # a prompt larger than the whole store is refused at admission
+    with pytest.raises(ValueError, match=f"need {9 * 2 * store.block_bytes} bytes of the "
+                                         f"remote store, whose capacity is"):
+        e.add_request(prompt(150, seed=3), GREEDY)

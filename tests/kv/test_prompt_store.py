@@ -49,14 +49,16 @@ def test_the_key_copy_is_made_with_the_summary():
 
 def test_store_prompt_hands_the_request_its_host_cache_and_counts_the_put():
     kv = make_kv()
-    store = SimpleNamespace(bytes_put=100)
+    store, prefix = SimpleNamespace(bytes_put=100), SimpleNamespace(bytes_put=10)
 
-    def put_prompt(seq):
-        store.bytes_put += 64
+    def put_prompt(seq):  # 64 bytes to the request's namespace, 32 to prefix-cache entries
+        store.bytes_put += 64 + 32
+        prefix.bytes_put += 32
         return "cache"
 
-    kv.remote = SimpleNamespace(store=store, put_prompt=put_prompt)
+    kv.remote = SimpleNamespace(store=store, prefix=prefix, put_prompt=put_prompt)
     seq = make_seq([], [0, 1], pos=0)
     kv.store_prompt(seq)
     assert seq.host_cache == "cache"
-    assert kv.tally.take().remote_put_bytes == 64
+    counted = kv.tally.take()
+    assert (counted.remote_put_bytes, counted.prefix_put_bytes) == (64, 32)

@@ -68,13 +68,24 @@ def live_router(prefill: list[str], decode: list[str], transfer: str | None = No
         sock.close()
 
 
-def store_leftovers(master: MasterHandle) -> int:
-    """Blocks the store holds under OasisKV's key prefix. Counted by removing them: call it
-    once, when the store should be empty."""
+def store_leftovers(master: MasterHandle, entries: list[int] | None = None) -> int:
+    """Blocks the store holds under OasisKV's key prefix, prefix-cache entries apart (they
+    outlive their requests: `entries` gets how many blocks of them there were). Counted by
+    removing them all: call it once, when nothing but prefix-cache entries should be left."""
     import torch
 
     from oasiskv.store.remote_store import MooncakeStore
 
     with MooncakeStore((2, 1, 1, 1), torch.float32, master.address, segment_bytes=0,
                        max_batch_blocks=1) as store:
+        cached = store._live().remove_by_regex("^oasiskv/pc:", True)
+        if entries is not None:
+            entries.append(cached)
         return store._live().remove_by_regex("^oasiskv/", True)
+
+
+def counter(url: str, name: str) -> float:
+    """A worker's /metrics sample `name` (summed over its labels; 0 when absent)."""
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.split("{")[0].split(" ")[0] == name)

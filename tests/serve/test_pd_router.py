@@ -25,6 +25,7 @@ from live import live_server
 from pd_cluster import (
     SPARSE,
     TOKEN,
+    counter,
     live_router,
     start_worker,
     store_leftovers,
@@ -37,6 +38,8 @@ from oasiskv.store.store_node import StoreNode
 
 pytestmark = needs_mooncake
 PROMPTS = [[(7 * i + 3) % 300 + 3 for i in range(n)] for n in (200, 90)]
+ENTRY_BLOCKS = 2  # store blocks of one prefix-cache entry: the tiny model's 2 layers
+PREFIX_CACHE = 4 * ENTRY_BLOCKS * 2 * 2 * 16 * 16 * 4  # 4 prompt blocks' K/V per prefill worker
 GREEDY = dict(temperature=0, max_tokens=24, extra_body={"ignore_eos": True})
 
 
@@ -46,7 +49,8 @@ def cluster(tiny_llama, mooncake_net):
     so that the store's contents are this module's alone."""
     with start_master(client_ttl_s=2, lease_ttl_ms=500) as master, \
             StoreNode(master.address, 256 << 20):
-        workers = {"prefill": [start_worker("prefill", tiny_llama, master) for _ in range(2)],
+        workers = {"prefill": [start_worker("prefill", tiny_llama, master,
+                                            prefix_cache_bytes=PREFIX_CACHE) for _ in range(2)],
                    "decode": [start_worker("decode", tiny_llama, master, f_host=0.25)
                               for _ in range(2)]}
         try:
@@ -159,6 +163,38 @@ def test_router_command_serves_and_a_closed_stream_aborts_on_the_worker(cluster,
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
+
+
+def test_a_shared_prefix_is_reused_through_another_prefill_worker(cluster, single):
+    """2 prefill + 1 decode: the first request's prompt blocks stay in the store's prefix cache
+    after it ends (as many as its prefill worker's capacity holds: 4 blocks); the next request
+    with the same first 80 tokens goes to the other prefill worker (the router counts the
+    first one busier), which reads those 64 tokens' K/V from the store instead of computing
+    them. The answers are a single `oasiskv serve`'s; the store keeps nothing of the requests
+    but prefix-cache entries within the two workers' capacities."""
+    model = single.state.model_name
+    store_leftovers(cluster["master"])  # what the tests before left in the prefix cache
+    shared = [(11 * i + 5) % 290 + 3 for i in range(80)]  # 5 complete blocks
+    prompts = [shared + [(13 * i + 1) % 280 + 3 for i in range(30)],
+               shared + [(17 * i + 2) % 280 + 3 for i in range(25)]]
+    want = [single.client().completions.create(model=model, prompt=p, **GREEDY).choices[0].text
+            for p in prompts]
+    first, second = cluster["prefill"]
+    name = "oasiskv:prefix_reused_tokens_total"
+    reused = {w.url: counter(w.url, name) for w in (first, second)}
+    # no polls after the first: each request adds its prompt to its worker's count
+    with live_router(urls(cluster["prefill"]), urls(cluster["decode"][:1]),
+                     interval_s=3600) as router:
+        for p, text in zip(prompts, want, strict=True):
+            got = router.client().completions.create(model=model, prompt=p, **GREEDY)
+            assert got.choices[0].text == text
+    assert counter(first.url, name) - reused[first.url] == 0
+    assert counter(second.url, name) - reused[second.url] == 64  # the 4 cached blocks
+    assert counter(first.url, "oasiskv:prefix_cache_bytes") == PREFIX_CACHE
+    entries = []
+    assert store_leftovers(cluster["master"], entries) == 0  # nothing of the requests
+    # the first worker's 4 entries, and the second's 2 (blocks 4 and 5 of its prompt)
+    assert entries == [(4 + 2) * ENTRY_BLOCKS]
 
 
 @pytest.mark.parametrize("args, words", [

@@ -1,17 +1,22 @@
 """Every error status as OpenAI error JSON: 400 (pydantic, parameters the engine cannot honour,
-the engine's own ValueError), 401, 404, 413, 503 + Retry-After, 500 before the response
-starts, an SSE error event after it started (the others go on), 504 past the timeout."""
+the engine's own ValueError), 401, 404, 413, 503 + Retry-After (a full waiting queue, a full
+remote store), 500 before the response starts, an SSE error event after it started (the
+others go on), 504 past the timeout."""
 
 from __future__ import annotations
 
 import threading
+import uuid
 
 import httpx
 import openai
 import pytest
+import torch
 
 from oasiskv import SamplingParams
+from oasiskv.kv.remote_tier import open_store
 from oasiskv.serve.server import ServeOptions
+from oasiskv.store.remote_store import BlockKey
 
 pytest_plugins = ["live"]
 
@@ -142,6 +147,29 @@ def test_full_waiting_queue_is_503_with_retry_after(start_server):
                 live.client().completions.create(model=body["model"], prompt="hi")
         waiter.join()
         live.wait_idle()
+
+
+def test_a_full_remote_store_is_503_with_retry_after(start_server):
+    """The prompt's blocks find no room in the store (its capacity taken by someone else's):
+    the request is refused with 503 + Retry-After naming the capacity, nothing of it stays;
+    once there is room the same request goes through."""
+    name = f"inprocess://serve-full-{uuid.uuid4().hex[:8]}"
+    store = open_store(name, (2, 2, 16, 16), torch.float32)  # the tiny model's blocks
+    store.capacity_bytes = 4 * store.block_bytes  # a 40-token prompt's 2 blocks x 2 layers
+    junk = BlockKey("someone-else", 0, 0)
+    store.put_blocks([junk], torch.zeros(1, *store.block_shape))
+    with start_server(kv_mode="sparse", top_k=2, remote_store=name,
+                      prefix_cache_bytes=0) as live:
+        body = {"model": live.state.model_name, "prompt": list(range(3, 43)), "max_tokens": 4}
+        resp = post(live, "/v1/completions", body)
+        err = error_of(resp, 503)
+        assert resp.headers["retry-after"] == "2"
+        assert f"capacity {4 * store.block_bytes} bytes" in err["message"]
+        assert store.namespaces() == {"someone-else"}
+        store.remove("someone-else")
+        assert post(live, "/v1/completions", body).status_code == 200
+        live.wait_idle()
+        assert not store.namespaces()
 
 
 @pytest.fixture
