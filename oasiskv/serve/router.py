@@ -48,8 +48,10 @@ class Relayed(APIError):
 
     def __init__(self, status: int, body: dict) -> None:
         error = body.get("error") if isinstance(body, dict) else None
+        # a worker's 503 (queue or store full) may reach us as a stream's error event, which
+        # has no headers: the client still gets its Retry-After
         super().__init__(error.get("message", str(body)) if isinstance(error, dict)
-                         else str(body))
+                         else str(body), headers={"Retry-After": "1"} if status == 503 else None)
         self.status, self._body = status, body
 
     def body(self) -> dict:
