@@ -337,7 +337,7 @@ ROWS = [
         r"top_k: expected an integer, got 'many'"),
     Row("bench serve unknown server (cli)",
         ["bench", "serve", "--model", "{model}", "--servers", "dense,vllm"],
-        r"--servers 'dense,vllm': unknown server 'vllm'; the kinds are dense, sparse, "
+        r"--servers 'dense,vllm': unknown server 'vllm'; the kinds are dense, sparse, pd, "
         r"llama-server"),
     Row("bench serve sparse unknown key (cli)",
         ["bench", "serve", "--model", "{model}", "--servers", "sparse:top_k=64,no_such=1"],

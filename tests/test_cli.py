@@ -69,6 +69,7 @@ TYPED = [
     ("remote_store", "none", "none"),  # others need kv_mode=sparse
     ("f_host", "1.0", 1.0),
     ("remote_lend", "0", "0"),
+    ("prefix_cache_bytes", "64MiB", "64MiB"),
     ("max_num_seqs", "5", 5),
     ("max_num_batched_tokens", "256", 256),
     ("max_model_len", "1024", 1024),
