@@ -26,10 +26,10 @@ import torch
 from oasiskv.kv.host_cache import HostCache, prompt_capacity
 from oasiskv.kv.prefix_cache import PrefixCache
 from oasiskv.sequence import Sequence
+from oasiskv.store.mooncake_store import MooncakeStore
 from oasiskv.store.remote_store import (
     BlockKey,
     InProcessStore,
-    MooncakeStore,
     RemoteStore,
     RemoteStoreError,
     StoreFull,

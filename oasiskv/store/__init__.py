@@ -2,10 +2,10 @@
 Mooncake Store, and the helpers that run Mooncake locally (a master, a storage node). A single
 engine with `f_host` < 1 uses it as much as prefill/decode disaggregation does."""
 
+from oasiskv.store.mooncake_store import MooncakeStore
 from oasiskv.store.remote_store import (
     BlockKey,
     InProcessStore,
-    MooncakeStore,
     RemoteStore,
     RemoteStoreError,
     StoreFull,

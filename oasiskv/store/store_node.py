@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 
-from oasiskv.store.remote_store import MooncakeStore
+from oasiskv.store.mooncake_store import MooncakeStore
 
 
 class StoreNode:

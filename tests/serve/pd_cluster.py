@@ -74,7 +74,7 @@ def store_leftovers(master: MasterHandle, entries: list[int] | None = None) -> i
     removing them all: call it once, when nothing but prefix-cache entries should be left."""
     import torch
 
-    from oasiskv.store.remote_store import MooncakeStore
+    from oasiskv.store.mooncake_store import MooncakeStore
 
     with MooncakeStore((2, 1, 1, 1), torch.float32, master.address, segment_bytes=0,
                        max_batch_blocks=1) as store:
