@@ -13,6 +13,7 @@ then drops the generated tokens again.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -75,6 +76,18 @@ def prefix_cache(hf, kv_files: list[Path]):
     return cache
 
 
+def cache_kwargs(hf, cache) -> dict:
+    """The keyword an HF model's forward takes its KV cache by: `cache` from transformers
+    5.2x, `past_key_values` before (the GPU machine's 5.17)."""
+    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def past_cache(out):
+    """The KV cache an HF forward returned (`out.cache`, or `out.past_key_values` before 5.2x)."""
+    return out.cache if hasattr(out, "cache") else out.past_key_values
+
+
 def timed_generate(hf, inputs: torch.Tensor, output_len: int,
                    on_token: Callable[[int], None] | None = None,
                    **kwargs) -> tuple[torch.Tensor, list[float]]:
@@ -110,7 +123,7 @@ def hf_from_prefix(hf, prompts: list[list[int]], kv_files: list[Path], output_le
     cache = prefix_cache(hf, kv_files)
     inputs = torch.tensor(prompts)
     t0 = time.perf_counter()
-    out, times = timed_generate(hf, inputs, output_len, cache=cache)
+    out, times = timed_generate(hf, inputs, output_len, **cache_kwargs(hf, cache))
     wall = time.perf_counter() - t0
     steps = len(times) - 1
     decode_s = times[-1] - times[0]

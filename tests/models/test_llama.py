@@ -5,6 +5,7 @@ import torch
 import transformers
 from conftest import build_model_dir
 
+from oasiskv.bench.peers import cache_kwargs, past_cache
 from oasiskv.config import ModelConfig
 from oasiskv.engine import runner as runner_module
 from oasiskv.engine.runner import ModelRunner, allocate_kv
@@ -92,10 +93,10 @@ def test_hf_incremental_decode_with_cache_agrees(tmp_path):
     with torch.no_grad():
         out = hf(torch.tensor([tokens[:30]]), use_cache=True)
         ref = [out.logits[0, -1]]
-        past = out.cache
+        past = past_cache(out)
         for t in tokens[30:]:
-            out = hf(torch.tensor([[t]]), cache=past, use_cache=True)
-            past = out.cache
+            out = hf(torch.tensor([[t]]), **cache_kwargs(hf, past), use_cache=True)
+            past = past_cache(out)
             ref.append(out.logits[0, -1])
     got, _ = run_chunks(model, tokens, [30] + [1] * 10)
     torch.testing.assert_close(got[[29] + list(range(30, 40))], torch.stack(ref),
