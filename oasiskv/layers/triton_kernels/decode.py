@@ -28,11 +28,11 @@ def _decode(q_ptr, q_rs, q_hs, o_ptr, o_rs, o_hs,  # [N, H, d] the step's querie
             ke_ptr, ke_rs, ke_hs, ve_ptr, ve_rs, ve_hs,  # [N, Hkv, d] the step's own K/V rows
             mask_ptr, mask_ms, mask_hs,  # [masks, Hkv, T] uint8: 1 where a slot is seen
             units_ptr, rows_ptr, row_off_ptr, masks_ptr,  # the plan (int64)
-            part_o_ptr, part_m_ptr, part_l_ptr,  # partials [U, Hkv, BLOCK_M, BLOCK_D], [U, Hkv, BLOCK_M]
+            part_o_ptr, part_m_ptr, part_l_ptr,  # partials [U, Hkv, BLOCK_M(, BLOCK_D)]
             d, scale, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    u = tl.program_id(0)
-    h = tl.program_id(1)
+    u = tl.program_id(0).to(tl.int64)  # int64 offsets: a pool may pass 2^31 elements
+    h = tl.program_id(1).to(tl.int64)
     hkv = tl.num_programs(1)
     b = tl.load(units_ptr + u * 6)
     first = tl.load(units_ptr + u * 6 + 1)
@@ -114,8 +114,8 @@ def _merge(o_ptr, o_rs, o_hs, merges_ptr, rows_ptr, row_off_ptr,
            G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """A split request's partials joined by log-sum-exp: merges [R, 3] (request, its first
     unit, one past its last)."""
-    i = tl.program_id(0)
-    h = tl.program_id(1)
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
     hkv = tl.num_programs(1)
     b = tl.load(merges_ptr + i * 3)
     u0 = tl.load(merges_ptr + i * 3 + 1)
@@ -133,7 +133,8 @@ def _merge(o_ptr, o_rs, o_hs, merges_ptr, rows_ptr, row_off_ptr,
         a = tl.exp(mx - safe)
         c = tl.exp(mu - safe)
         total = total * a + tl.load(part_l_ptr + at) * c
-        acc = acc * a[:, None] + tl.load(part_o_ptr + at[:, None] * BLOCK_D + dd[None, :]) * c[:, None]
+        part = tl.load(part_o_ptr + at[:, None] * BLOCK_D + dd[None, :])
+        acc = acc * a[:, None] + part * c[:, None]
         mx = new
     r0 = tl.load(row_off_ptr + b)
     n = tl.load(row_off_ptr + b + 1) - r0
@@ -187,7 +188,7 @@ def decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         BLOCK_N=BLOCK_N, BLOCK_D=block_d, DOT=dot, PRECISION=precision)
     if split:
         _merge[(merges.shape[0], hkv)](
-            target, target.stride(0), target.stride(1), merges, rows, row_off, part_o, part_m, part_l, d,
-            G=group, BLOCK_M=block_m, BLOCK_D=block_d)
+            target, target.stride(0), target.stride(1), merges, rows, row_off, part_o, part_m,
+            part_l, d, G=group, BLOCK_M=block_m, BLOCK_D=block_d)
     if target is not out:
         out.copy_(target)

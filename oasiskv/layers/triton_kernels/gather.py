@@ -16,8 +16,8 @@ def _gather(dst_ptr, d_ls, d_cs, d_hs, d_ss,  # [L, 2, Hkv, slots, d] the device
             src_ptr, s_ls, s_cs, s_hs, s_ss,  # [L, 2, Hkv, slots, d] the host KV
             items_ptr,  # [n, 4] int64: layer, KV head, first source slot, first target slot
             B, d, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
-    i = tl.program_id(0)
-    c = tl.program_id(1)  # 0: K, 1: V
+    i = tl.program_id(0).to(tl.int64)  # int64 offsets: a tier passes 2^31 elements
+    c = tl.program_id(1).to(tl.int64)  # 0: K, 1: V
     layer = tl.load(items_ptr + i * 4)
     head = tl.load(items_ptr + i * 4 + 1)
     src = tl.load(items_ptr + i * 4 + 2)
