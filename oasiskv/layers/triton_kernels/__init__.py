@@ -33,7 +33,7 @@ def load(name: str) -> ModuleType | None:
     triton imports; else None (a missing triton warned once per module)."""
     if not wanted() or name in _missing:
         return None
-    try:  # sys.modules caches it (the tests drop it to import it again interpreted)
+    try:  # imported once (sys.modules); a failure is warned once
         return importlib.import_module(f"{__name__}.{name}")
     except ImportError as e:  # no triton: the PyTorch paths serve
         _missing.add(name)
