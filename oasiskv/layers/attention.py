@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasiskv.context import SeqAttention, SlabGroup, get_context
-from oasiskv.layers import decode_kernel, gqa, kernel_attention
+from oasiskv.layers import decode_kernel, gqa, kernel_attention, triton_attention, triton_kernels
 
 
 def slab_groups(seqs: list[SeqAttention], device: torch.device) -> list[SlabGroup]:
@@ -39,8 +39,9 @@ def slab_groups(seqs: list[SeqAttention], device: torch.device) -> list[SlabGrou
 
 
 class Attention(nn.Module):
-    # decodes through the compiled kernel (`layers/decode_kernel.py`) where it loads, else
-    # through `layers/gqa.py` (as GqaAttention always does)
+    # decodes through the compiled kernel (`layers/decode_kernel.py`) where it loads, on CUDA
+    # through the Triton kernel (`layers/triton_attention.py`), else through `layers/gqa.py`
+    # (as GqaAttention always does)
     use_kernel = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -70,7 +71,14 @@ class Attention(nn.Module):
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype,
                           device=q.device)
         ext = self._kernel(q)
-        if ext is not None:  # the decodes in one kernel call per pool, the rest below
+        tri = self._triton(q)
+        if tri is not None:  # CUDA: the decodes in one Triton launch per pool, the rest below
+            if ctx.decode_plan is None:  # the same in every layer of the step: planned once
+                ctx.decode_plan = triton_attention.plan(ctx.seqs, q.device, self.num_kv_heads)
+            batches, seqs = ctx.decode_plan
+            triton_attention.attend(tri, self.pools, batches, q, k, v, out, self.scale)
+            batched = set()
+        elif ext is not None:  # the decodes in one kernel call per pool, the rest below
             if ctx.decode_plan is None:  # the same in every layer of the step: packed once
                 ctx.decode_plan = kernel_attention.plan(ctx.seqs)
             batches, seqs = ctx.decode_plan
@@ -101,6 +109,13 @@ class Attention(nn.Module):
                 or q.dtype not in decode_kernel.DTYPES):
             return None
         return decode_kernel.extension()
+
+    def _triton(self, q: torch.Tensor) -> ModuleType | None:
+        """The Triton decode kernel where it serves this layer's decodes (CUDA, triton
+        installed, OASISKV_CUDA_ATTENTION not torch), else None."""
+        if not self.use_kernel or q.device.type != "cuda":
+            return None
+        return triton_kernels.load("decode")
 
     def _kv_parts(self, seq: SeqAttention, k_new: torch.Tensor,
                   v_new: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -1,0 +1,42 @@
+"""Triton's interpreter for the kernel tests (tests/layers/test_triton_*.py) only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+INTERPRETER_RUNNER = "tests/layers/test_triton_interpreter.py"
+
+
+def _index_fix(interpreter, mp: pytest.MonkeyPatch) -> None:
+    """numpy >= 2.4 refuses int() of a 1-element array, which Triton 3.6's interpreter does for
+    a loop bound read at run time (triton-lang/triton#9171, fixed upstream by #9172 after 3.6):
+    its patch of tensor.__index__, applied again as upstream has it."""
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__",
+                       lambda self: int(np.asarray(self.handle.data).reshape(())))
+
+    mp.setattr(interpreter, "_patch_lang_tensor", patched)
+
+
+@pytest.fixture(scope="module")
+def triton_interpreter():
+    """The kernels run by Triton's interpreter on CPU tensors. triton.jit reads TRITON_INTERPRET
+    when a function is defined, triton's own library included, and torch imports triton early
+    (torch._dynamo), so the variable must be set when the process starts: in a plain run these
+    tests skip and `test_triton_interpreter.py` runs them in a child process that sets it."""
+    pytest.importorskip("triton", reason="triton is not installed (scripts/setup.sh installs "
+                                         "triton==3.6.0, the GPU machine's)")
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if not isinstance(tl.zeros, interpreter.InterpretedFunction):
+        pytest.skip(f"needs TRITON_INTERPRET=1 from the process start: {INTERPRETER_RUNNER} "
+                    "runs these tests so")
+    with pytest.MonkeyPatch.context() as mp:
+        if hasattr(interpreter, "_patch_lang_tensor"):
+            _index_fix(interpreter, mp)
+        yield
