@@ -66,7 +66,7 @@ def hf_decode(model, prompts: list[list[int]], output_len: int,
               bar: tqdm | None = None) -> dict:
     """transformers `generate` on the batch: all rows get their first token in the same step,
     so the clock (first to last token) holds each row's output_len - 1 later tokens."""
-    inputs = torch.tensor(prompts)
+    inputs = torch.tensor(prompts, device=model.device)
     R, T = inputs.shape
 
     def on_token(i: int) -> None:  # the first token comes with the whole prompt's prefill
@@ -88,7 +88,8 @@ def run_decode_bench(args: argparse.Namespace) -> list[dict]:
     kwargs = engine_kwargs(args)
     kwargs.setdefault("max_num_seqs", max(batches))
     llm = LLM(**kwargs)
-    hf = None if args.no_hf else load_hf(llm.engine.config.model, llm.engine.config.torch_dtype)
+    hf = None if args.no_hf else load_hf(llm.engine.config.model, llm.engine.config.torch_dtype,
+                                         llm.engine.device)  # the same device as ours
     # Warm both engines up (allocator, lazy init) so the first measured row is not penalised.
     warm = [list(range(100, 164))]
     ours_decode(llm, warm, 4)

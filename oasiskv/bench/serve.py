@@ -43,6 +43,7 @@ from oasiskv.bench.servers import (
     server_command,
     start_server,
 )
+from oasiskv.engine_args import add_device_flag
 from oasiskv.report import save_json
 
 WARMUP_TOKENS = 4  # the untimed first request of each server: prefill and a few steps
@@ -110,6 +111,7 @@ def settings_of(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(model=args.model, max_num_seqs=args.max_num_seqs,
                           context=args.input_len + args.output_len, dtype=args.dtype,
                           device_kv_budget=args.device_kv_budget, threads=threads,
+                          device=args.device,
                           llama_server=args.llama_server, startup_timeout=args.startup_timeout)
 
 
@@ -324,6 +326,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "-np slots)")
     p.add_argument("--device-kv-budget", default="1GiB", help="our servers' device KV budget")
     p.add_argument("--dtype", default="bfloat16", help="our servers' dtype")
+    add_device_flag(p)
     p.add_argument("--num-threads", type=int, default=None,
                    help="threads of every server (default: the CPUs this process may use)")
     p.add_argument("--llama-server", default=None,

@@ -306,7 +306,7 @@ def run_recall_eval(args: argparse.Namespace) -> list[dict]:
                       temperature=args.temperature, seed=args.seed, rerank=args.rerank,
                       num_drafts=args.num_drafts)
     kwargs = {"model": args.model, "dtype": args.dtype, "kv_mode": "dense",
-              "block_size": args.block_size}
+              "block_size": args.block_size, "device": args.device}
     if args.num_threads:
         kwargs["num_threads"] = args.num_threads
     llm = LLM(**kwargs)
