@@ -17,8 +17,9 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from oasiskv.bench.common import agreement, unique_prompts
+from oasiskv.bench.common import agreement, print_model_note, unique_prompts
 from oasiskv.bench.peers import load_hf, timed_generate
+from oasiskv.config import EngineConfig
 from oasiskv.engine_args import add_engine_flags, engine_kwargs
 from oasiskv.llm import LLM
 from oasiskv.report import markdown_table, parse_list, platform_name, write_json
@@ -86,6 +87,7 @@ def hf_decode(model, prompts: list[list[int]], output_len: int,
 def run_decode_bench(args: argparse.Namespace) -> list[dict]:
     contexts, batches = parse_list(args.context), parse_list(args.batch)
     kwargs = engine_kwargs(args)
+    print_model_note(kwargs.get("model", EngineConfig.model))
     kwargs.setdefault("max_num_seqs", max(batches))
     llm = LLM(**kwargs)
     hf = None if args.no_hf else load_hf(llm.engine.config.model, llm.engine.config.torch_dtype,

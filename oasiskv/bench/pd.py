@@ -20,7 +20,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from oasiskv.bench.common import agreement, prefix_kv_files, summary_label, unique_prompts
+from oasiskv.bench.common import (
+    agreement,
+    prefix_kv_files,
+    print_model_note,
+    summary_label,
+    unique_prompts,
+)
 from oasiskv.config import EngineConfig
 from oasiskv.disagg.pd import DisaggregatedLLM
 from oasiskv.engine.engine import LLMEngine
@@ -115,6 +121,7 @@ def plot(settings: list[dict], path: str, title: str) -> None:
 
 def run_pd_bench(args: argparse.Namespace) -> list[dict]:
     t_start = time.perf_counter()
+    print_model_note(args.model)
     contexts, transfers = parse_list(args.context), parse_list(args.transfer, str)
     f_hosts = parse_list(args.f_host, float)
     bad = [t for t in transfers if t not in TRANSFERS]

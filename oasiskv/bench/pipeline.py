@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load
 
-from oasiskv.bench.common import prefix_kv_files, summary_label, unique_prompts
+from oasiskv.bench.common import prefix_kv_files, print_model_note, summary_label, unique_prompts
 from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.engine_args import add_device_flag
@@ -146,6 +146,7 @@ def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     t_start = time.perf_counter()
+    print_model_note(args.model)
     fractions = parse_f_hbms(args.f_hbm)
     base = {"model": args.model, "kv_mode": "sparse", "top_k": args.top_k,
             "predictor": args.predictor, "drafter": args.drafter, "dtype": args.dtype,

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from oasiskv.bench.common import unique_prompts
+from oasiskv.bench.common import print_model_note, unique_prompts
 from oasiskv.bench.serve_bytes import ByteSampler
 from oasiskv.bench.serve_client import make_trace, run_trace, served_model
 from oasiskv.bench.serve_metrics import Slo, cell_metrics, distribution
@@ -190,11 +190,16 @@ class ServeBench:
                        for i, (w, rate) in enumerate(zip(loads, self.rates, strict=True))]
 
     def run(self) -> dict:
+        from oasiskv.models.byte_tokenizer import byte_tokenizer
         from oasiskv.models.loader import load_tokenizer
+        from oasiskv.models.random_model import is_random
         from oasiskv.models.registry import resolve_model
 
         t0 = time.perf_counter()
-        self.prompts(load_tokenizer(resolve_model(self.args.model)))
+        model = self.args.model
+        print_model_note(model)
+        self.prompts(byte_tokenizer() if is_random(model) else
+                     load_tokenizer(resolve_model(model)))
         if self.args.url:
             self.sweep(RunningServer(self.args.url, self.args.url.rstrip("/"), None), None)
         for spec in self.specs:

@@ -42,7 +42,7 @@ from oasiskv.bench.batch_runs import (
     run_mode,
 )
 from oasiskv.bench.breakdown import breakdown_columns, breakdown_run, check_steps
-from oasiskv.bench.common import agreement, prefix_kv_files, unique_prompts
+from oasiskv.bench.common import agreement, prefix_kv_files, print_model_note, unique_prompts
 from oasiskv.bench.peers import ChildCrashed, RestartingPeer, hf_from_prefix, load_hf, parse_peers
 from oasiskv.bench.prefill_ttft import COLUMNS as TTFT_COLUMNS
 from oasiskv.bench.prefill_ttft import engines_for, ttft_rows
@@ -135,6 +135,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     t_start = time.perf_counter()
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    print_model_note(args.model)
     contexts, levels = parse_list(args.context), parse_levels(args.concurrency)
     profiled = check_steps(args.breakdown)
     modes, f_hbms = parse_list(args.kv_mode, str), parse_list(args.f_hbm, str)
@@ -179,7 +180,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
         else None
     # what a step reads per mode: (weights, KV per token); llama.cpp its own, the GGUF's
     # quantized weights and f16 KV
-    gguf = resolve_model(args.model)
+    gguf = resolve_model(args.model) if "llamacpp" in peers else None
     reads = {"llamacpp": (gguf.stat().st_size, kv_per_token * 2 //
                           prefill.config.torch_dtype.itemsize)} if "llamacpp" in peers else {}
     bandwidth = read_bandwidth()

@@ -13,6 +13,7 @@ from typing import Any
 
 from oasiskv.config import FORCED_DRAFTS, CacheConfig
 from oasiskv.engine_args import add_device_flag
+from oasiskv.models.random_model import refuse_random
 from oasiskv.report import parse_f_hbms, parse_list
 
 DEFAULT_F_HBM = CacheConfig.f_hbm
@@ -188,6 +189,7 @@ def setting_engines(args: argparse.Namespace, settings: list[Setting],
     from oasiskv.config import EngineConfig
     from oasiskv.engine.engine import LLMEngine
 
+    refuse_random(args.model, "this evaluation")
     base = {"model": args.model, "dtype": args.dtype, "drafter": args.drafter,
             "device": args.device, **(extra or {})}
     if args.num_threads:
