@@ -13,8 +13,10 @@ import torch
 
 
 def make_generator(device: torch.device, seed: int) -> torch.Generator:
-    """A generator on `device` seeded with `seed`."""
-    return torch.Generator(device=device).manual_seed(seed)
+    """A generator on `device` seeded with `seed` (a meta engine, shapes only, samples
+    nothing: a CPU one, as torch has no meta generator)."""
+    device = torch.device(device)
+    return torch.Generator(device="cpu" if device.type == "meta" else device).manual_seed(seed)
 
 
 def request_generator(device: torch.device, seed: int | None) -> torch.Generator | None:
