@@ -96,8 +96,12 @@ def check_device_present(device: torch.device) -> None:
         backend.is_available()
     count = backend.device_count() if available else 0
     if count == 0:
-        raise ValueError(f"device {str(device)!r}: torch has no {device.type} device here "
-                         f"(torch {torch.__version__}); use device='cpu'")
+        # a CPU-only wheel (torch 2.x+cpu) cannot use a GPU even where one is installed
+        built = device.type != "cuda" or torch.backends.cuda.is_built()
+        why = (f"this machine has no {device.type} device" if built
+               else "this torch build has no CUDA (a CPU-only wheel)")
+        raise ValueError(f"device {str(device)!r}: {why} (torch {torch.__version__}); "
+                         "use device='cpu'")
     if device.index is not None and device.index >= count:
         raise ValueError(f"device {str(device)!r}: this machine has {count} {device.type} "
                          f"device(s), indices 0 to {count - 1}")

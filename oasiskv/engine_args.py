@@ -42,3 +42,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine flags the user gave (unset ones are absent: the dataclass defaults apply)."""
     names = {f.name for _, f in EngineConfig.flat_fields()}
     return {k: v for k, v in vars(args).items() if k in names}
+
+
+def add_device_flag(parser: argparse.ArgumentParser) -> None:
+    """`--device` for a command that builds its engines from its own flags (the benches, the
+    evals, train-drafter): the config field's spelling, default and help, so that every
+    engine of the run and any peer it compares with (HF transformers) use that device."""
+    field = next(f for _, f in EngineConfig.flat_fields() if f.name == "device")
+    parser.add_argument("--device", default=field.default,
+                        help=f"{field.metadata.get('help', '')}; every engine of the run and "
+                        f"its HF peers run there (default: {field.default})")

@@ -1,8 +1,10 @@
-"""Tiny random-weight models in HF layout, built by the tests themselves (no downloads), and a
-real Mooncake master for the remote-tier tests."""
+"""Tiny random-weight models in HF layout, built by the tests themselves (no downloads), a
+real Mooncake master for the remote-tier tests, and the device the device-dependent tests run
+on (`test_device`)."""
 
 from __future__ import annotations
 
+import os
 import resource
 import warnings
 from pathlib import Path
@@ -75,6 +77,22 @@ def build_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overrides)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def test_device() -> str:
+    """The device of the tests that take this fixture (sparse equals dense, the HF reference
+    tests, sampling): OASISKV_TEST_DEVICE, default cpu (CI). A device this machine lacks
+    fails those tests with the config's reason (no CUDA here, or a CPU-only torch), never
+    skips them: a GPU run that silently tested nothing would read as a pass."""
+    from oasiskv.config_checks import check_device_present
+
+    name = os.environ.get("OASISKV_TEST_DEVICE", "cpu")
+    try:
+        check_device_present(torch.device(name))
+    except (ValueError, RuntimeError) as e:
+        pytest.fail(f"OASISKV_TEST_DEVICE={name}: {e}", pytrace=False)
+    return name
 
 
 @pytest.fixture(autouse=True)

@@ -107,3 +107,46 @@ def test_bench_modules_read_only_the_flags_they_define():
             defined |= {a.dest for a in parsers[("bench", name)]._actions}
         unknown = args_read(module) - defined
         assert not unknown, f"{module.__name__} reads args.{sorted(unknown)}"
+
+
+# every command that builds engines: all but the router (it only relays to workers)
+ENGINE_COMMANDS = sorted(COMMANDS - {("router",)})
+
+
+def test_every_engine_command_takes_device_with_the_configs_default():
+    from oasiskv.config import EngineConfig
+
+    parsers = commands()
+    for command in ENGINE_COMMANDS:
+        device = [a for a in parsers[command]._actions if "--device" in a.option_strings]
+        assert len(device) == 1, command
+        if device[0].default is not argparse.SUPPRESS:  # engine flags: the dataclass's own
+            assert device[0].default == EngineConfig().device == "cpu", command
+
+
+@pytest.mark.parametrize("command", [c for c in ENGINE_COMMANDS if c[0] in ("bench", "eval",
+                                                                          "train-drafter")
+                                     and c != ("bench", "serve")], ids=" ".join)
+def test_device_reaches_the_commands_engines(command, tiny_llama, monkeypatch, capsys,
+                                             tmp_path):
+    """`--device cuda` with torch told it has no CUDA: the command's first engine config
+    refuses it (one line, exit 2), before any work; without the flag reaching the config the
+    command would run on the CPU instead."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    extra = ["--out", str(tmp_path)] if command == ("train-drafter",) else []
+    assert main([*command, *extra, "--model", str(tiny_llama), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("oasiskv: error: device 'cuda': ") and err.count("\n") == 1, err
+
+
+def test_bench_serve_starts_our_servers_on_its_device():
+    from oasiskv.bench.serve import settings_of
+    from oasiskv.bench.servers import parse_servers, server_command
+
+    args = build_parser().parse_args(["bench", "serve", "--device", "cuda:1"])
+    settings = settings_of(args)
+    for spec in parse_servers("dense,sparse"):
+        cmd = server_command(spec, settings, 8000)
+        assert cmd[cmd.index("--device") + 1] == "cuda:1"

@@ -4,8 +4,10 @@ changed after construction: each broken rule names its field; budgets are parsed
 import dataclasses
 
 import pytest
+import torch
 
-from oasiskv.config import CacheConfig
+from oasiskv.cli import main
+from oasiskv.config import CacheConfig, EngineConfig
 from oasiskv.config_checks import DTYPES, KV_MODES, PREDICTORS, check_cache
 
 
@@ -66,3 +68,27 @@ def test_the_values_fields_take():
     assert {str(d) for d in DTYPES.values()} == {"torch.float32", "torch.float16",
                                                  "torch.bfloat16"}
     assert CacheConfig(summary_dtype="bf16").summary_torch_dtype(DTYPES["fp32"]) == DTYPES["bf16"]
+
+
+@pytest.mark.parametrize("device, built, message", [
+    ("cuda", True, r"device 'cuda': this machine has no cuda device \(torch .*\); use "
+                   r"device='cpu'"),
+    ("cuda:1", False, r"device 'cuda:1': this torch build has no CUDA \(a CPU-only wheel\)"),
+])
+def test_cuda_is_refused_at_the_config_where_torch_has_none(monkeypatch, device, built,
+                                                            message):
+    """Whatever this machine has: torch told that CUDA is missing (and whether the wheel was
+    built with it) refuses the device when the config is made, not at the first tensor."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: built)
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(device=device)
+    EngineConfig(device="cpu")  # the CPU always passes
+
+
+def test_the_cli_refuses_cuda_in_one_line_with_exit_2(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["generate", "--device", "cuda", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("oasiskv: error: device 'cuda': "), err
+    assert "Traceback" not in err

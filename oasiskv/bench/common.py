@@ -14,9 +14,17 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from oasiskv.config import CacheConfig
+from oasiskv.models.random_model import is_random, random_note
 from oasiskv.models.registry import resolve_model
 
 log = logging.getLogger(__name__)
+
+
+def print_model_note(model: str) -> None:
+    """The header line of a bench run on a `random:` model: its tokens are meaningless."""
+    note = random_note(model)
+    if note:
+        print(f"> NOTE: {note}\n", flush=True)
 
 
 def summary_label(summary_dtype: str, dtype: str) -> str:
@@ -67,7 +75,8 @@ def prefix_kv_files(engine, prompts: list[list[int]], cache_dir: Path,
     file under cache_dir, keyed by model, dtype and tokens: computed once, reused by later
     runs. Returns the files and the seconds spent computing the missing ones."""
     cache_dir.mkdir(parents=True, exist_ok=True)
-    model = str(resolve_model(engine.config.model).resolve())
+    name = engine.config.model  # a random: model is its name (no file)
+    model = name if is_random(name) else str(resolve_model(name).resolve())
     files, seconds = [], 0.0
     for p in tqdm(prompts, desc=desc, unit="prompt", disable=not progress):
         key = hashlib.sha256(f"{model}|{engine.config.dtype}|".encode()

@@ -17,8 +17,9 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from oasiskv.bench.common import agreement, unique_prompts
+from oasiskv.bench.common import agreement, print_model_note, unique_prompts
 from oasiskv.bench.peers import load_hf, timed_generate
+from oasiskv.config import EngineConfig
 from oasiskv.engine_args import add_engine_flags, engine_kwargs
 from oasiskv.llm import LLM
 from oasiskv.report import markdown_table, parse_list, platform_name, write_json
@@ -66,7 +67,7 @@ def hf_decode(model, prompts: list[list[int]], output_len: int,
               bar: tqdm | None = None) -> dict:
     """transformers `generate` on the batch: all rows get their first token in the same step,
     so the clock (first to last token) holds each row's output_len - 1 later tokens."""
-    inputs = torch.tensor(prompts)
+    inputs = torch.tensor(prompts, device=model.device)
     R, T = inputs.shape
 
     def on_token(i: int) -> None:  # the first token comes with the whole prompt's prefill
@@ -86,9 +87,11 @@ def hf_decode(model, prompts: list[list[int]], output_len: int,
 def run_decode_bench(args: argparse.Namespace) -> list[dict]:
     contexts, batches = parse_list(args.context), parse_list(args.batch)
     kwargs = engine_kwargs(args)
+    print_model_note(kwargs.get("model", EngineConfig.model))
     kwargs.setdefault("max_num_seqs", max(batches))
     llm = LLM(**kwargs)
-    hf = None if args.no_hf else load_hf(llm.engine.config.model, llm.engine.config.torch_dtype)
+    hf = None if args.no_hf else load_hf(llm.engine.config.model, llm.engine.config.torch_dtype,
+                                         llm.engine.device)  # the same device as ours
     # Warm both engines up (allocator, lazy init) so the first measured row is not penalised.
     warm = [list(range(100, 164))]
     ours_decode(llm, warm, 4)

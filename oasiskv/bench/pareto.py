@@ -39,6 +39,7 @@ from oasiskv.bench.common import agreement, prefix_kv_files, unique_prompts
 from oasiskv.bench.pareto_plot import plot
 from oasiskv.bench.sparse_options import DEFAULT, parse_settings
 from oasiskv.config import EngineConfig, SpecConfig
+from oasiskv.engine_args import add_device_flag
 from oasiskv.eval.fidelity import make_samples, run_samples, summarize
 from oasiskv.eval.metrics import paired_bootstrap_ci
 from oasiskv.eval.settings import setting_engines
@@ -161,14 +162,15 @@ def run_pareto_bench(args: argparse.Namespace) -> list[dict]:
                              f"got {getattr(args, flag)}")
     budget = {"device_kv_budget": args.device_kv_budget}
     eval_args = SimpleNamespace(model=args.model, dtype=args.dtype, drafter=SpecConfig.drafter,
-                                num_threads=args.num_threads)
+                                num_threads=args.num_threads, device=args.device)
     names, engine_for = setting_engines(eval_args, settings, budget)
     first = engine_for("dense")
     kv_per_token = first.model_config.kv_bytes_per_token(first.config.torch_dtype)
     params = sum(p.numel() for p in first.model.parameters())
     size = (f"{params / 1e6:.3g}M model with "
             f"{first.model_config.max_position_embeddings / 1024:g}K context")
-    base = {"model": args.model, "dtype": args.dtype, "prefault_kv": True, **budget}
+    base = {"model": args.model, "dtype": args.dtype, "prefault_kv": True,
+            "device": args.device, **budget}
     if args.num_threads:
         base["num_threads"] = args.num_threads
     capacity = dense_capacity(EngineConfig.from_kwargs(**base), kv_per_token, args.context,
@@ -282,6 +284,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=7168, help="prompt length in tokens")
     p.add_argument("--device-kv-budget", default="1GiB")
     p.add_argument("--dtype", default="bfloat16")
+    add_device_flag(p)
     p.add_argument("--sparse", action="append", default=None, metavar="KEY=VAL[,KEY=VAL...]",
                    help="a sparse configuration as CacheConfig fields (top_k=64,"
                    "score_aggregation=softmax-sum); repeatable; default: the engine's default "

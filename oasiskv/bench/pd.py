@@ -20,10 +20,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from oasiskv.bench.common import agreement, prefix_kv_files, summary_label, unique_prompts
+from oasiskv.bench.common import (
+    agreement,
+    prefix_kv_files,
+    print_model_note,
+    summary_label,
+    unique_prompts,
+)
 from oasiskv.config import EngineConfig
 from oasiskv.disagg.pd import DisaggregatedLLM
 from oasiskv.engine.engine import LLMEngine
+from oasiskv.engine_args import add_device_flag
 from oasiskv.kv.handoff import TRANSFERS
 from oasiskv.report import (
     markdown_table,
@@ -114,6 +121,7 @@ def plot(settings: list[dict], path: str, title: str) -> None:
 
 def run_pd_bench(args: argparse.Namespace) -> list[dict]:
     t_start = time.perf_counter()
+    print_model_note(args.model)
     contexts, transfers = parse_list(args.context), parse_list(args.transfer, str)
     f_hosts = parse_list(args.f_host, float)
     bad = [t for t in transfers if t not in TRANSFERS]
@@ -122,13 +130,15 @@ def run_pd_bench(args: argparse.Namespace) -> list[dict]:
     kwargs = {"model": args.model, "dtype": args.dtype, "kv_mode": "sparse",
               "top_k": args.top_k, "f_hbm": args.f_hbm, "max_num_seqs": args.requests,
               "summary_dtype": args.summary_dtype,
-              "device_kv_budget": args.device_kv_budget, "host_kv_budget": args.host_kv_budget}
+              "device_kv_budget": args.device_kv_budget, "host_kv_budget": args.host_kv_budget,
+              "device": args.device}
     if args.num_threads:
         kwargs["num_threads"] = args.num_threads
     for f in f_hosts:  # bad settings fail now, not after the prefill
         EngineConfig.from_kwargs(**kwargs, remote_store="inprocess", f_host=f)
     prefill = LLMEngine(EngineConfig.from_kwargs(model=args.model, dtype=args.dtype,
-                                                 num_threads=args.num_threads))
+                                                 num_threads=args.num_threads,
+                                                 device=args.device))
     settings, rows, prefill_s = [], [], {}
     with tempfile.TemporaryDirectory(prefix="oasiskv-bench-") as tmp:
         for context in contexts:
@@ -213,6 +223,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dir", default=None,
                    help="keep the prompts' computed K/V here and reuse it in later runs")
     p.add_argument("--dtype", default="float32")
+    add_device_flag(p)
     p.add_argument("--summary-dtype", default="auto",
                    help="block summaries: auto (bfloat16 for float32 K/V, else the KV dtype), "
                    "float32, float16 or bfloat16 (half the bytes a hand-over sends for them)")

@@ -51,8 +51,9 @@ def parse_peers(text: str | None, model: str | None = None) -> list[str]:
     return peers
 
 
-def load_hf(model: str, dtype: torch.dtype):
-    """The HF transformers model for our alias, HF directory or .gguf (dequantized)."""
+def load_hf(model: str, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    """The HF transformers model for our alias, HF directory or .gguf (dequantized), on
+    `device` (ours: a peer on another device would compare devices, not engines)."""
     from transformers import AutoModelForCausalLM
 
     from oasiskv.models.registry import resolve_model
@@ -60,7 +61,7 @@ def load_hf(model: str, dtype: torch.dtype):
     path = resolve_model(model)
     load = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
     return AutoModelForCausalLM.from_pretrained(path.parent if load else path, dtype=dtype,
-                                                **load).eval()
+                                                **load).eval().to(device)
 
 
 def prefix_cache(hf, kv_files: list[Path]):
@@ -71,7 +72,8 @@ def prefix_cache(hf, kv_files: list[Path]):
     cache = DynamicCache(config=hf.config)
     handles = [safe_open(str(f), framework="pt") for f in kv_files]
     for layer in range(hf.config.num_hidden_layers):
-        kv = torch.stack([h.get_slice("kv")[layer] for h in handles])  # [R, 2, Hkv, n, d]
+        kv = torch.stack([h.get_slice("kv")[layer] for h in handles]).to(hf.device)
+        # kv [R, 2, Hkv, n, d]
         cache.update(kv[:, 0].contiguous(), kv[:, 1].contiguous(), layer)
     return cache
 
@@ -104,7 +106,7 @@ def timed_generate(hf, inputs: torch.Tensor, output_len: int,
             self.times.append(time.perf_counter())
             if on_token is not None:
                 on_token(len(self.times) - 1)
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     clock = StepClock()
     with torch.inference_mode():
@@ -121,7 +123,7 @@ def hf_from_prefix(hf, prompts: list[list[int]], kv_files: list[Path], output_le
     if len({len(p) for p in prompts}) != 1:
         raise ValueError("hf peer: prompts must have equal lengths (no padding)")
     cache = prefix_cache(hf, kv_files)
-    inputs = torch.tensor(prompts)
+    inputs = torch.tensor(prompts, device=hf.device)
     t0 = time.perf_counter()
     out, times = timed_generate(hf, inputs, output_len, **cache_kwargs(hf, cache))
     wall = time.perf_counter() - t0

@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load
 
-from oasiskv.bench.common import prefix_kv_files, summary_label, unique_prompts
+from oasiskv.bench.common import prefix_kv_files, print_model_note, summary_label, unique_prompts
 from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
+from oasiskv.engine_args import add_device_flag
 from oasiskv.report import (
     markdown_table,
     parse_f_hbms,
@@ -145,10 +146,12 @@ def run_pipeline_bench(args: argparse.Namespace) -> list[dict]:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     t_start = time.perf_counter()
+    print_model_note(args.model)
     fractions = parse_f_hbms(args.f_hbm)
     base = {"model": args.model, "kv_mode": "sparse", "top_k": args.top_k,
             "predictor": args.predictor, "drafter": args.drafter, "dtype": args.dtype,
-            "summary_dtype": args.summary_dtype, "max_num_seqs": args.batch}
+            "summary_dtype": args.summary_dtype, "max_num_seqs": args.batch,
+            "device": args.device}
     if args.num_threads:
         base["num_threads"] = args.num_threads
     remote = {"f_host": args.f_host, "remote_store": args.remote_store}
@@ -235,6 +238,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the prompts' computed K/V here and reuse it in later runs "
                    "(default: a temporary directory)")
     p.add_argument("--dtype", default="float32")
+    add_device_flag(p)
     p.add_argument("--summary-dtype", default="auto",
                    help="block summaries: auto (bfloat16 for float32 K/V, else the KV "
                    "dtype), float32, float16 or bfloat16 (half the bytes the predict stage "

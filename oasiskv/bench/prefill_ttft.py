@@ -43,7 +43,7 @@ def ours(kwargs: dict, prompt: list[int]) -> dict:
 def hf(model, prompt: list[int]) -> dict:
     """transformers `generate` of one greedy token (its prefill in one forward)."""
     t0 = time.perf_counter()
-    out, times = timed_generate(model, torch.tensor([prompt]), 1)
+    out, times = timed_generate(model, torch.tensor([prompt], device=model.device), 1)
     return {"ttft_s": times[0] - t0, "token": int(out[0, len(prompt)])}
 
 

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from oasiskv.bench.common import unique_prompts
+from oasiskv.bench.common import print_model_note, unique_prompts
 from oasiskv.bench.serve_bytes import ByteSampler
 from oasiskv.bench.serve_client import make_trace, run_trace, served_model
 from oasiskv.bench.serve_metrics import Slo, cell_metrics, distribution
@@ -43,6 +43,7 @@ from oasiskv.bench.servers import (
     server_command,
     start_server,
 )
+from oasiskv.engine_args import add_device_flag
 from oasiskv.report import save_json
 
 WARMUP_TOKENS = 4  # the untimed first request of each server: prefill and a few steps
@@ -110,6 +111,7 @@ def settings_of(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(model=args.model, max_num_seqs=args.max_num_seqs,
                           context=args.input_len + args.output_len, dtype=args.dtype,
                           device_kv_budget=args.device_kv_budget, threads=threads,
+                          device=args.device,
                           llama_server=args.llama_server, startup_timeout=args.startup_timeout)
 
 
@@ -188,11 +190,16 @@ class ServeBench:
                        for i, (w, rate) in enumerate(zip(loads, self.rates, strict=True))]
 
     def run(self) -> dict:
+        from oasiskv.models.byte_tokenizer import byte_tokenizer
         from oasiskv.models.loader import load_tokenizer
+        from oasiskv.models.random_model import is_random
         from oasiskv.models.registry import resolve_model
 
         t0 = time.perf_counter()
-        self.prompts(load_tokenizer(resolve_model(self.args.model)))
+        model = self.args.model
+        print_model_note(model)
+        self.prompts(byte_tokenizer() if is_random(model) else
+                     load_tokenizer(resolve_model(model)))
         if self.args.url:
             self.sweep(RunningServer(self.args.url, self.args.url.rstrip("/"), None), None)
         for spec in self.specs:
@@ -324,6 +331,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "-np slots)")
     p.add_argument("--device-kv-budget", default="1GiB", help="our servers' device KV budget")
     p.add_argument("--dtype", default="bfloat16", help="our servers' dtype")
+    add_device_flag(p)
     p.add_argument("--num-threads", type=int, default=None,
                    help="threads of every server (default: the CPUs this process may use)")
     p.add_argument("--llama-server", default=None,

@@ -130,6 +130,7 @@ class ServerSettings:
     context: int  # tokens one request needs: prompt + output
     dtype: str = "bfloat16"
     device_kv_budget: str = "1GiB"
+    device: str = "cpu"  # our servers' torch device
     threads: int | None = None
     max_waiting: int = 256
     llama_server: str | None = None  # its binary; default llama_server_binary()
@@ -173,7 +174,7 @@ def server_command(spec: ServerSpec, settings: ServerSettings, port: int) -> lis
                "--max-waiting", str(settings.max_waiting)]
     cmd += ["--model", settings.model, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", settings.dtype, "--device-kv-budget", settings.device_kv_budget,
-            "--max-num-seqs", str(settings.max_num_seqs)]
+            "--max-num-seqs", str(settings.max_num_seqs), "--device", settings.device]
     if threads:
         cmd += ["--num-threads", str(threads)]
     for key, value in [*settings.extra.items(), *spec.options]:

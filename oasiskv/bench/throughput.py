@@ -42,12 +42,13 @@ from oasiskv.bench.batch_runs import (
     run_mode,
 )
 from oasiskv.bench.breakdown import breakdown_columns, breakdown_run, check_steps
-from oasiskv.bench.common import agreement, prefix_kv_files, unique_prompts
+from oasiskv.bench.common import agreement, prefix_kv_files, print_model_note, unique_prompts
 from oasiskv.bench.peers import ChildCrashed, RestartingPeer, hf_from_prefix, load_hf, parse_peers
 from oasiskv.bench.prefill_ttft import COLUMNS as TTFT_COLUMNS
 from oasiskv.bench.prefill_ttft import engines_for, ttft_rows
 from oasiskv.config import CacheConfig, EngineConfig
 from oasiskv.engine.engine import LLMEngine
+from oasiskv.engine_args import add_device_flag
 from oasiskv.models.registry import resolve_model
 from oasiskv.report import (
     markdown_table,
@@ -134,6 +135,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     t_start = time.perf_counter()
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    print_model_note(args.model)
     contexts, levels = parse_list(args.context), parse_levels(args.concurrency)
     profiled = check_steps(args.breakdown)
     modes, f_hbms = parse_list(args.kv_mode, str), parse_list(args.f_hbm, str)
@@ -142,13 +144,14 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
         raise ValueError("sparse rows show their speed-up over a --peer beside their greedy "
                          "agreement with dense: add dense to --kv-mode")
     prefill = LLMEngine(EngineConfig.from_kwargs(model=args.model, dtype=args.dtype,
-                                                 num_threads=args.num_threads))
+                                                 num_threads=args.num_threads,
+                                                 device=args.device))
     mc = prefill.model_config
     kv_per_token = mc.kv_bytes_per_token(prefill.config.torch_dtype)
     host_budget = args.host_kv_budget
     # the pools' pages mapped before the clock starts, as llama.cpp's and HF's caches are
     base = {"model": args.model, "dtype": args.dtype, "device_kv_budget": args.device_kv_budget,
-            "prefault_kv": True}
+            "prefault_kv": True, "device": args.device}
     dense_config = EngineConfig.from_kwargs(**base, kv_mode="dense")
     capacity = {c: dense_capacity(dense_config, kv_per_token, c, args.output_len)
                 for c in contexts}
@@ -173,10 +176,11 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
         EngineConfig.from_kwargs(**base, **kw)
     weights = sum(p.numel() * p.element_size() for p in prefill.model.parameters())
     slab_tokens = (args.top_k + 1) * prefill.config.cache.block_size
-    hf = load_hf(args.model, prefill.config.torch_dtype) if "hf" in peers else None
+    hf = load_hf(args.model, prefill.config.torch_dtype, prefill.device) if "hf" in peers \
+        else None
     # what a step reads per mode: (weights, KV per token); llama.cpp its own, the GGUF's
     # quantized weights and f16 KV
-    gguf = resolve_model(args.model)
+    gguf = resolve_model(args.model) if "llamacpp" in peers else None
     reads = {"llamacpp": (gguf.stat().st_size, kv_per_token * 2 //
                           prefill.config.torch_dtype.itemsize)} if "llamacpp" in peers else {}
     bandwidth = read_bandwidth()
@@ -345,6 +349,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of every mode per level, in turn; the row is the median-TPS run")
     p.add_argument("--dtype", default="float32")
+    add_device_flag(p)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", help="write the figures to this file")
     p.add_argument("--plot", help="write TPS and running batch vs concurrency (PNG)")

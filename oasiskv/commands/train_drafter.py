@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from oasiskv.config import EngineConfig
+from oasiskv.engine_args import add_device_flag
 from oasiskv.report import markdown_table
 from oasiskv.train.spec import TrainSpec
 
@@ -54,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aux-layers", default=None,
                    help="target layers fused as features (default: 2, L/2, L-1)")
     p.add_argument("--seed", type=int, default=TrainSpec.seed)
+    add_device_flag(p)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", help="write the figures to this file")
 
@@ -73,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
     # room for GENERATE_BATCH whole chunks: the own continuations are generated together
     engine = LLMEngine(EngineConfig.from_kwargs(
-        model=args.model, num_threads=args.num_threads, device_kv_budget="2GiB"))
+        model=args.model, num_threads=args.num_threads, device_kv_budget="2GiB",
+        device=args.device))
     result = train.run(engine, spec, aux)
     held = result["heldout"]
     print(f"trained {args.out}: {result['steps']} steps on {result['train_tokens']} tokens "

@@ -19,7 +19,7 @@ import torch
 
 from oasiskv.config import EngineConfig
 from oasiskv.context import StepContext
-from oasiskv.engine import drafting, remote_steps, unscheduled
+from oasiskv.engine import drafting, generators, remote_steps, unscheduled
 from oasiskv.engine.failures import StepFailures
 from oasiskv.engine.invariants import check_invariants
 from oasiskv.engine.kv_tiers import build_kv_tiers, close_tiers, trace_tiers
@@ -66,7 +66,7 @@ class LLMEngine:
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.default_generator = torch.Generator().manual_seed(config.seed)
+        self.default_generator = generators.make_generator(self.device, config.seed)
         self._ids = itertools.count()
         self.requests: dict[str, Sequence] = {}
         self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
@@ -126,7 +126,7 @@ class LLMEngine:
         self._check_vocab("stop_token_ids", params.stop_token_ids)
         if prefix_kv is not None:
             prefix_kv = unscheduled.check_prefix_kv(self, prefix_kv, len(ids))
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        gen = generators.request_generator(self.device, params.seed)
         seq = Sequence(request_id, ids, len(ids), params, prompt=text, generator=gen,
                        max_context=max_context, prefix_kv=prefix_kv)
         if prefix_kv is not None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from oasiskv.config import CacheConfig, ModelConfig, parse_bytes
-from oasiskv.engine.runner import ModelRunner, allocate_kv
+from oasiskv.engine.runner import ModelRunner, allocate_kv, pins_host_kv
 from oasiskv.engine.stats import device_tensors
 from oasiskv.kv.blocks import BlockPool, KVAllocator
 from oasiskv.kv.dense_layers import allocate_dense_kv, check_dense_layers, sparse_layers
@@ -114,7 +114,7 @@ def _build_sparse(owner: object, model: LlamaForCausalLM, cache: CacheConfig, mc
         host_blocks = split.summary_ids
     device_kv = allocate_kv(smc, split.kv_blocks, block, dtype, device)
     pool = BlockPool(split.kv_blocks, block)
-    host_kv = allocate_kv(mc, host_blocks, block, dtype, pin=torch.cuda.is_available())
+    host_kv = allocate_kv(mc, host_blocks, block, dtype, pin=pins_host_kv(device))
     host_pool = BlockPool(host_blocks, block)
     remote = build_remote(owner, cache, mc, dtype, host_kv, model)
     kv = KVAllocator(pool, host_pool, slab_blocks=cache.slab_blocks,

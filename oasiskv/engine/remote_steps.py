@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from oasiskv.engine.failures import StepFailures, describe
+from oasiskv.engine.generators import restore_generator
 from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.kv.handoff import TRANSFERS, Handoff, receive_handoff, take_handoff
 from oasiskv.sampling_params import SamplingParams
@@ -110,8 +111,7 @@ def handoff_sequence(engine: LLMEngine, handoff: Handoff, params: SamplingParams
                    host_budget=budget, draft_tokens=list(h.draft_tokens),
                    draft_weights=h.draft_weights)
     if h.generator_state is not None:
-        seq.generator = torch.Generator()
-        seq.generator.set_state(h.generator_state)
+        seq.generator = restore_generator(engine.device, h.generator_state, h.request_id)
     seq.output_text = engine.decode(seq)
     return seq
 

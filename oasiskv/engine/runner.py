@@ -32,6 +32,13 @@ def allocate_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch
                        cfg.head_dim, dtype=dtype, device=device, pin_memory=pin)
 
 
+def pins_host_kv(device: torch.device | str) -> bool:
+    """Whether the host KV tier is pinned (page-locked): only for a CUDA engine, whose
+    copies it makes asynchronous. A CPU engine gains nothing from it and would pay locked
+    pages and a CUDA context on a machine that merely has a GPU."""
+    return torch.device(device).type == "cuda"
+
+
 def is_decode(seq: Sequence, n: int) -> bool:
     """A scheduled chunk of `n` tokens is a decode step: one token after the prompt. Every
     prompt token is prefill, also when a chunk holds only one (the last prompt token attends

@@ -1,5 +1,6 @@
 """An engine's model: its weights loaded from a checkpoint (or shared with another engine of
-the same model), on the engine's device and dtype, with its config and tokenizer."""
+the same model, or seeded random weights for a `random:` model), on the engine's device and
+dtype, with its config and tokenizer."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import torch
 
 from oasiskv.config import EngineConfig, ModelConfig
 from oasiskv.layers.linear import pack_linears
+from oasiskv.models.byte_tokenizer import byte_tokenizer
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import load_checkpoint
+from oasiskv.models.random_model import init_random, is_random, random_config
 from oasiskv.models.registry import resolve_model
 
 if TYPE_CHECKING:
@@ -23,7 +26,10 @@ def load_model(config: EngineConfig, share_weights: LLMEngine | None = None,
     same model, dtype and device whose weight tensors the model uses instead of loading its
     own copy (the weights are read-only)."""
     device, dtype = torch.device(config.device), config.torch_dtype
-    if share_weights is None:
+    ckpt = None
+    if share_weights is None and is_random(config.model):
+        mc, tokenizer = ModelConfig.from_hf(random_config(config.model)), byte_tokenizer()
+    elif share_weights is None:
         ckpt = load_checkpoint(resolve_model(config.model), dtype=dtype)
         mc, tokenizer = ModelConfig.from_hf(ckpt.hf_config), ckpt.tokenizer
     else:
@@ -36,12 +42,15 @@ def load_model(config: EngineConfig, share_weights: LLMEngine | None = None,
         mc, tokenizer = share_weights.model_config, share_weights.tokenizer
     with torch.device("meta"):  # no time spent on random init of weights we overwrite
         model = LlamaForCausalLM(mc)
-    model = model.to_empty(device=device).to(dtype)
+    # the dtype first, still on meta: the device's memory is allocated once, in the dtype
+    model = model.to(dtype).to_empty(device=device)
     model.model.rotary.build()  # its tables are computed, not loaded
-    if share_weights is None:
-        model.load_weights(ckpt.state_dict)
-    else:  # the same Parameter objects (tied embeddings stay tied)
+    if share_weights is not None:  # the same Parameter objects (tied embeddings stay tied)
         model.load_state_dict(share_weights.model.state_dict(keep_vars=True), assign=True)
+    elif ckpt is None:
+        init_random(model)
+    else:
+        model.load_weights(ckpt.state_dict)
     # CPU: linear weights also in oneDNN's layout (faster decode and prefill)
     pack_linears(model, share_weights.model if share_weights is not None else None)
     return model.eval(), mc, tokenizer

@@ -38,6 +38,7 @@ from oasiskv.data.austen import austen_text
 from oasiskv.data.passages import paragraph_prompt
 from oasiskv.eval.recall_probe import RecallProbe, RowKey, Totals
 from oasiskv.eval.recall_report import COLUMNS, plot_recall, summarize_totals
+from oasiskv.models.random_model import refuse_random
 from oasiskv.report import markdown_table, parse_list, write_json
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.sequence import Sequence
@@ -305,8 +306,9 @@ def run_recall_eval(args: argparse.Namespace) -> list[dict]:
                       draft_context=args.draft_context, sync_start=args.sync_start,
                       temperature=args.temperature, seed=args.seed, rerank=args.rerank,
                       num_drafts=args.num_drafts)
+    refuse_random(args.model, "eval recall")
     kwargs = {"model": args.model, "dtype": args.dtype, "kv_mode": "dense",
-              "block_size": args.block_size}
+              "block_size": args.block_size, "device": args.device}
     if args.num_threads:
         kwargs["num_threads"] = args.num_threads
     llm = LLM(**kwargs)

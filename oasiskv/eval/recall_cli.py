@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from oasiskv.engine_args import add_device_flag
+
 COMMANDS = {"recall": ("per-layer recall of next-step top-K block "
                        "predictors (previous query, lookahead drafts) on dense decode")}
 
@@ -42,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "from the row that was right (the engine's num_drafts)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (B)")
     p.add_argument("--dtype", default="float32")
+    add_device_flag(p)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", help="write the figures to this file")
     p.add_argument("--plot", help="write a per-layer recall plot (PNG) to this file")

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from oasiskv.config import FORCED_DRAFTS, CacheConfig
+from oasiskv.engine_args import add_device_flag
+from oasiskv.models.random_model import refuse_random
 from oasiskv.report import parse_f_hbms, parse_list
 
 DEFAULT_F_HBM = CacheConfig.f_hbm
@@ -160,6 +162,7 @@ def add_setting_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chat", action="store_true",
                    help="plain prompts even when the model has a chat template")
     p.add_argument("--dtype", default="float32")
+    add_device_flag(p)
     p.add_argument("--num-threads", type=int, default=None)
 
 
@@ -186,7 +189,9 @@ def setting_engines(args: argparse.Namespace, settings: list[Setting],
     from oasiskv.config import EngineConfig
     from oasiskv.engine.engine import LLMEngine
 
-    base = {"model": args.model, "dtype": args.dtype, "drafter": args.drafter, **(extra or {})}
+    refuse_random(args.model, "this evaluation")
+    base = {"model": args.model, "dtype": args.dtype, "drafter": args.drafter,
+            "device": args.device, **(extra or {})}
     if args.num_threads:
         base["num_threads"] = args.num_threads
     configs = {s.name: EngineConfig.from_kwargs(**base, **s.engine_kwargs()) for s in settings}

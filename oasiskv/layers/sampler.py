@@ -39,7 +39,7 @@ def verify_draft(logits: torch.Tensor, draft: int, params: SamplingParams,
         token = int(torch.argmax(logits))
         return token, token == draft
     p = probabilities(logits, params)
-    if torch.rand((), generator=generator) < p[draft]:
+    if torch.rand((), generator=generator, device=p.device) < p[draft]:
         return draft, True
     rest = p.clone()
     rest[draft] = 0

@@ -17,6 +17,9 @@ def resolve_model(name_or_path: str) -> Path:
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
     key = name_or_path.lower()
+    if key.startswith("random:"):  # models/random_model.py: built, never read from a file
+        raise ValueError(f"model {name_or_path!r} has random weights and no file: what needs "
+                         "a checkpoint (an HF or llama.cpp peer, a GGUF) cannot use it")
     if key not in ALIASES:
         known = ", ".join(sorted(ALIASES))
         raise ValueError(

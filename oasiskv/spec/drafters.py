@@ -256,8 +256,9 @@ class EagleDrafter(Drafter):
         return self.head.d2t[guesses].tolist(), probs
 
     def _run(self, st: _HeadState, tokens: list[int], first: int, last: int) -> None:
-        positions = torch.arange(first, last + 1)
-        ids = torch.tensor(tokens[first:last + 1])[None]  # [1, S]
+        device = self.head.d2t.device  # the target's
+        positions = torch.arange(first, last + 1, device=device)
+        ids = torch.tensor(tokens[first:last + 1], device=device)[None]  # [1, S]
         feats = st.features[first - 1 - st.feature_start:last - st.feature_start][None]
         past = st.kv
         if past is not None and past[2][-1] != first - 1:  # rows skipped: start afresh

@@ -228,4 +228,6 @@ def load_head(path: str | Path, target: LlamaForCausalLM) -> EagleHead:
     head = EagleHead(cfg, target.model.embed_tokens.weight, target.lm_head.weight,
                      weights["d2t"])
     head.load_state_dict(weights)
-    return head.eval().requires_grad_(False)
+    # on the target's device: its features and embedding live there (the frozen buffers
+    # already do; the head's own weights come from the file, on the CPU)
+    return head.to(target.lm_head.weight.device).eval().requires_grad_(False)

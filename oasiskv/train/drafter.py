@@ -49,17 +49,19 @@ def draft_vocabulary(greedy: torch.Tensor, size: int) -> torch.Tensor:
     return ids[counts.argsort(descending=True)[:size]]
 
 
-def head_inputs(data: dict[str, torch.Tensor], index: torch.Tensor):
-    """Row p = 1..S-1 of each chunk: token x_p, features at p-1, target's greedy token at p."""
-    tokens = data["tokens"][index, 1:].long()
-    features = data["features"][index, :-1].float()
-    return tokens, features, data["greedy"][index, 1:].long()
+def head_inputs(data: dict[str, torch.Tensor], index: torch.Tensor,
+                device: torch.device | str = "cpu"):
+    """Row p = 1..S-1 of each chunk: token x_p, features at p-1, target's greedy token at p;
+    on `device` (the head's: the feature shards stay on the CPU)."""
+    tokens = data["tokens"][index, 1:].long().to(device)
+    features = data["features"][index, :-1].to(device).float()
+    return tokens, features, data["greedy"][index, 1:].long().to(device)
 
 
 def target_to_draft(head: EagleHead) -> torch.Tensor:
     """[V] target token id -> the head's draft index, -100 (ignored) outside its vocabulary."""
-    t2d = torch.full((head.config.vocab_size,), -100, dtype=torch.long)
-    t2d[head.d2t] = torch.arange(len(head.d2t))
+    t2d = torch.full((head.config.vocab_size,), -100, dtype=torch.long, device=head.d2t.device)
+    t2d[head.d2t] = torch.arange(len(head.d2t), device=head.d2t.device)
     return t2d
 
 
@@ -100,7 +102,8 @@ def noisy(features: torch.Tensor, scale: float, hidden: int,
     with this at 0.2 and weight decay 0.1 the held-out accuracy stayed 0.60 on SmolLM2)."""
     parts = features.unflatten(-1, (-1, hidden))  # [b, S, layers, D]
     rms = parts.pow(2).mean(-1, keepdim=True).sqrt()
-    noise = torch.rand(parts.shape, generator=gen).mul_(2).sub_(1).mul_(scale)
+    # drawn on the CPU (`gen`'s device): the same noise whatever device trains
+    noise = torch.rand(parts.shape, generator=gen).to(parts.device).mul_(2).sub_(1).mul_(scale)
     return (parts + noise * rms).flatten(-2)
 
 
@@ -130,7 +133,8 @@ def train_head(head: EagleHead, data: dict[str, torch.Tensor], spec: TrainSpec,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(
         (s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
     gen = torch.Generator().manual_seed(spec.seed)
-    positions = torch.arange(1, data["tokens"].shape[1])
+    device = head.d2t.device  # the target's: the head trains where its buffers live
+    positions = torch.arange(1, data["tokens"].shape[1], device=device)
     losses, curve = [], []
     dtype = spec.autocast_dtype
     bar = tqdm(total=total, desc="train", disable=spec.quiet or None)
@@ -139,14 +143,15 @@ def train_head(head: EagleHead, data: dict[str, torch.Tensor], spec: TrainSpec,
         order = torch.randperm(n, generator=gen)
         for i in range(0, n, spec.batch):
             index = order[i:i + spec.batch]
-            tokens, features, greedy = head_inputs(data, index)
+            tokens, features, greedy = head_inputs(data, index, device)
             if spec.feature_noise:
                 features = noisy(features, spec.feature_noise, head.config.hidden_size, gen)
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 hidden = head(tokens, features, positions)[0]
                 logits = head.logits(hidden)
             with torch.no_grad():  # row p learns the target's state at p: features[p]
-                goal = target_hidden(target, data["features"][index, 1:]) if distill else None
+                goal = (target_hidden(target, data["features"][index, 1:].to(device))
+                        if distill else None)
             loss = head_loss(head, logits, hidden, greedy, t2d, spec, goal)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -193,16 +198,17 @@ def evaluate(head: EagleHead, data: dict[str, torch.Tensor], batch: int = 4,
     unigram baseline's greedy accuracy and, with the target's log-probabilities, the greedy
     accuracy by the target's confidence (`by_confidence`: its T=0.7 probability of its own
     greedy token, bins of CONFIDENCE_EDGES)."""
-    positions = torch.arange(1, data["tokens"].shape[1])
+    device = head.d2t.device
+    positions = torch.arange(1, data["tokens"].shape[1], device=device)
     right = sampled = rows = fresh_right = fresh = 0.0
     bins = len(CONFIDENCE_EDGES) - 1
     bin_rows, bin_right = torch.zeros(bins), torch.zeros(bins)
     for i in range(0, len(data["tokens"]), batch):
         index = torch.arange(i, min(i + batch, len(data["tokens"])))
-        tokens, features, greedy = head_inputs(data, index)
+        tokens, features, greedy = head_inputs(data, index, device)
         hidden, _ = head(tokens, features, positions)
-        draft = head.d2t[head.logits(hidden).argmax(-1)][:, start - 1:]  # [b, rows] target ids
-        correct = draft == greedy[:, start - 1:]
+        draft = head.d2t[head.logits(hidden).argmax(-1)][:, start - 1:].cpu()  # [b, rows] ids
+        correct = draft == greedy[:, start - 1:].cpu()
         right += correct.sum().item()
         outside = ~in_loop(data["tokens"][index])[:, start:]  # [b, rows]
         fresh_right += (correct & outside).sum().item()
@@ -254,7 +260,8 @@ def run(engine, spec: TrainSpec, aux_layers: list[int] | None = None,
     d2t = draft_vocabulary(data["greedy"], spec.draft_vocab)
     cfg = EagleConfig.for_target(spec.model, mc, len(d2t), list(layers), spec.chunk)
     target = engine.model
-    head = EagleHead(cfg, target.model.embed_tokens.weight, target.lm_head.weight, d2t)
+    head = EagleHead(cfg, target.model.embed_tokens.weight, target.lm_head.weight, d2t).to(
+        target.lm_head.weight.device)  # trains on the target's device
     losses, curve = train_head(head, data, spec, load_shards(heldout_paths), target)
     t_train = time.perf_counter() - t0 - t_features
     own = load_shards(heldout_own_paths)

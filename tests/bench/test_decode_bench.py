@@ -11,7 +11,10 @@ import torch
 from tqdm import tqdm
 
 from oasiskv import LLM
+from oasiskv.bench import decode
 from oasiskv.bench.decode import hf_decode, ours_decode
+from oasiskv.bench.peers import load_hf
+from oasiskv.cli import build_parser
 
 
 def test_ours_counts_only_tokens_decoded_after_every_request_has_its_first(tiny_llama):
@@ -44,16 +47,17 @@ def test_ours_counts_only_tokens_decoded_after_every_request_has_its_first(tiny_
     llm.close()
 
 
-def test_hf_counts_every_row_after_its_first_token_and_agrees_with_ours(tiny_llama):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+def test_hf_counts_every_row_after_its_first_token_and_agrees_with_ours(tiny_llama,
+                                                                      test_device):
+    """On OASISKV_TEST_DEVICE (conftest), HF and ours alike."""
+    hf = load_hf(str(tiny_llama), torch.float32, test_device)
+    assert hf.device.type == torch.device(test_device).type
     prompts = [list(range(5, 45)), list(range(50, 90))]  # equal lengths: no padding
     bar = tqdm(total=0, file=io.StringIO())
     got = hf_decode(hf, prompts, 9, bar)
     assert got["decode_steps"] == 8 and got["decoded"] == 2 * 8
     assert bar.n == 2 * 40 + 2 * 9
-    llm = LLM(str(tiny_llama), max_num_seqs=2)
+    llm = LLM(str(tiny_llama), max_num_seqs=2, device=test_device)
     ours = ours_decode(llm, prompts, 9)
     assert ours["tokens"] == got["tokens"]
     llm.close()
@@ -66,3 +70,20 @@ def test_ours_decoded_is_every_later_token_when_prefills_end_together(tiny_llama
     got = ours_decode(llm, [list(range(5 + i, 25 + i)) for i in range(batch)], 6)
     assert got["decoded_before_clock"] == 0 and got["decoded"] == batch * 5
     llm.close()
+
+
+def test_the_hf_peer_runs_on_the_engines_device(tiny_llama, monkeypatch, capsys):
+    """`bench decode --device X` loads HF on X: a peer on another device would compare two
+    devices, not two engines (checkable on the CPU: the device asked for)."""
+    asked = []
+
+    def record(model, dtype, device="not given"):
+        asked.append(device)
+        return load_hf(model, dtype)
+
+    monkeypatch.setattr(decode, "load_hf", record)
+    args = build_parser().parse_args(["bench", "decode", "--model", str(tiny_llama),
+                                      "--context", "40", "--batch", "1", "--output-len", "2",
+                                      "--device", "cpu"])
+    rows = decode.run_decode_bench(args)
+    assert asked == [torch.device("cpu")] and rows[0]["hf_tok_s"] > 0

@@ -15,14 +15,15 @@ PROMPT = [(7 * i) % 290 + 3 for i in range(40)]  # no special tokens
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_llama):
+def hf(tiny_llama, test_device):
     return transformers.AutoModelForCausalLM.from_pretrained(
-        tiny_llama, dtype=torch.float32).eval()
+        tiny_llama, dtype=torch.float32).eval().to(test_device)
 
 
 @pytest.fixture()
-def engine(tiny_llama):
-    return LLM(str(tiny_llama), device_kv_budget="1MiB").engine
+def engine(tiny_llama, test_device):
+    """On OASISKV_TEST_DEVICE (conftest), as its transformers reference."""
+    return LLM(str(tiny_llama), device_kv_budget="1MiB", device=test_device).engine
 
 
 def test_forward_equals_a_scheduled_prefill_and_decode(engine):
@@ -62,7 +63,7 @@ def test_forward_logits_and_features_equal_transformers(engine, hf):
         engine.free(seq)
     assert engine.runner.aux_layers == ()  # the engine's own setting is back
     with torch.no_grad():
-        ref = hf(torch.tensor([PROMPT]), output_hidden_states=True)
+        ref = hf(torch.tensor([PROMPT], device=engine.device), output_hidden_states=True)
     torch.testing.assert_close(out.logits, ref.logits[0], atol=1e-4, rtol=1e-4)
     # layer 0's output: HF's hidden state after its first layer
     torch.testing.assert_close(out.features[0], ref.hidden_states[1][0], atol=1e-4, rtol=1e-4)
@@ -83,7 +84,7 @@ def test_forward_in_chunks_and_with_an_edited_context(engine, hf):
         engine.free(seq)
     assert seen == [25, len(PROMPT)]
     with torch.no_grad():
-        ref = hf(torch.tensor([PROMPT])).logits[0]
+        ref = hf(torch.tensor([PROMPT], device=engine.device)).logits[0]
     torch.testing.assert_close(first.logits[0], ref[24], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(second.logits[0], ref[-1], atol=1e-4, rtol=1e-4)
 

@@ -85,3 +85,24 @@ def test_a_trace_records_the_pipeline_and_closing_stops_its_workers(model):
     close_tiers(t.sparse, t.remote)
     with pytest.raises(RuntimeError, match="closed"):  # its workers have stopped
         t.sparse.pipeline.executor.submit("select", lambda: None)
+
+
+def test_host_kv_is_pinned_only_for_a_cuda_engine(model, monkeypatch):
+    """A CPU engine on a machine that has CUDA keeps plain host memory: pinning follows the
+    engine's device, not what the machine has."""
+    from oasiskv.engine import kv_tiers
+    from oasiskv.engine.runner import allocate_kv, pins_host_kv
+
+    asked = []
+
+    def record(*args, pin=False, **kw):  # the real pool, unpinned (no CUDA here to pin)
+        asked.append(pin)
+        return allocate_kv(*args, **kw)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kv_tiers, "allocate_kv", record)
+    t = build(model, kv_mode="sparse", top_k=2, device_kv_budget=300 * KiB,
+              host_kv_budget=1024 * KiB)
+    assert asked == [False, False] and not t.runner.host_kv.is_pinned()
+    assert pins_host_kv("cuda") and pins_host_kv(torch.device("cuda:1"))
+    assert not pins_host_kv("cpu") and not pins_host_kv("meta")

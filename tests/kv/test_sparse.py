@@ -228,9 +228,10 @@ def prompts_of(lengths, vocab, seed=0):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def test_sparse_with_k_covering_all_blocks_equals_dense(tiny_llama, monkeypatch):
+def test_sparse_with_k_covering_all_blocks_equals_dense(tiny_llama, monkeypatch, test_device):
+    """On OASISKV_TEST_DEVICE (conftest): sparse with every block selected is dense."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    kw = dict(max_num_batched_tokens=48, max_num_seqs=4)
+    kw = dict(max_num_batched_tokens=48, max_num_seqs=4, device=test_device)
     dense = LLM(str(tiny_llama), **kw)
     prompts = prompts_of([5, 30, 47, 90], dense.engine.model_config.vocab_size)
     spy, _ = capture_logits(monkeypatch)

@@ -1,4 +1,5 @@
-"""The sampler against hand-computed distributions: greedy, temperature, top-k, top-p."""
+"""The sampler against hand-computed distributions: greedy, temperature, top-k, top-p; on
+OASISKV_TEST_DEVICE (conftest's `test_device`), with generators of that device."""
 
 import math
 from collections import Counter
@@ -6,15 +7,22 @@ from collections import Counter
 import pytest
 import torch
 
-from oasiskv.layers.sampler import sample, sample_one
+from oasiskv.layers.sampler import sample, sample_one, verify_draft
 from oasiskv.sampling_params import SamplingParams
 
 DRAWS = 3000
 
 
+@pytest.fixture(autouse=True)
+def on_test_device(test_device):
+    """Every tensor these tests make lives on the test device."""
+    with torch.device(test_device):
+        yield
+
+
 def draws(logits: torch.Tensor, params: SamplingParams, n: int = DRAWS,
           seed: int = 0) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=logits.device).manual_seed(seed)
     return [sample_one(logits, params, gen) for _ in range(n)]
 
 
@@ -107,7 +115,7 @@ def test_greedy_is_argmax():
     assert [sample_one(row, greedy, None) for row in logits] == expected
     # A greedy row in a mixed batch is still its argmax; greedy ignores top-k/top-p.
     mixed = [greedy, SamplingParams(temperature=1.0, seed=1)] * 3
-    gens = [None, torch.Generator().manual_seed(1)] * 3
+    gens = [None, torch.Generator(device=logits.device).manual_seed(1)] * 3
     out = sample(logits, mixed, gens)
     assert out[0::2] == expected[0::2]
     odd = SamplingParams(temperature=0, top_k=2, top_p=0.1)
@@ -115,7 +123,20 @@ def test_greedy_is_argmax():
 
 
 def test_seeded_generator_reproduces():
-    logits = torch.randn(100, generator=torch.Generator().manual_seed(3))
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(3), device="cpu").to(
+        torch.get_default_device())
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=40)
     assert draws(logits, params, n=50, seed=9) == draws(logits, params, n=50, seed=9)
     assert draws(logits, params, n=50, seed=9) != draws(logits, params, n=50, seed=10)
+
+
+def test_verify_draft_keeps_the_distribution(test_device):
+    """Speculative verification of a fixed draft on the test device: the kept-or-resampled
+    token is distributed as p (p(draft) = 0.30 here), the draft kept with probability p."""
+    logits = shuffled_logits(PROBS, ORDER)
+    params = SamplingParams(temperature=1.0)
+    gen = torch.Generator(device=test_device).manual_seed(0)
+    out = [verify_draft(logits, ORDER[0], params, gen) for _ in range(DRAWS)]
+    assert logits.device.type == torch.device(test_device).type
+    assert_frequencies(Counter(t for t, _ in out), {ORDER[i]: PROBS[i] for i in range(8)})
+    assert all(kept == (t == ORDER[0]) for t, kept in out)

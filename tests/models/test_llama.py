@@ -29,21 +29,23 @@ CASES = {
 }
 
 
-def ours_and_hf(tmp_path, case):
+def ours_and_hf(tmp_path, case, device="cpu"):
     arch, overrides = CASES[case]
     path = build_model_dir(tmp_path, arch, **overrides)
     ckpt = load_checkpoint(path)
     model = LlamaForCausalLM(ModelConfig.from_hf(ckpt.hf_config))
     model.load_weights(ckpt.state_dict)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return model.eval(), hf
+    return model.to(device).eval(), hf.to(device)
 
 
 def run_chunks(model, tokens, chunks, num_blocks=64, scatter=False):
     """Feeds `tokens` through our runner in the given chunk sizes; returns logits [T, V] and
-    the block table used."""
+    the block table used (the KV pool on the model's device)."""
     pool = BlockPool(num_blocks, 16)
-    runner = ModelRunner(model, allocate_kv(model.config, num_blocks, 16, torch.float32), 16)
+    device = model.lm_head.weight.device
+    runner = ModelRunner(model, allocate_kv(model.config, num_blocks, 16, torch.float32,
+                                            device), 16)
     seq = Sequence("s", list(tokens), len(tokens), SamplingParams())
     logits = []
     for n in chunks:
@@ -58,12 +60,12 @@ def run_chunks(model, tokens, chunks, num_blocks=64, scatter=False):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_prefill_and_decode_logits_match_transformers(tmp_path, case):
-    model, hf = ours_and_hf(tmp_path, case)
+def test_prefill_and_decode_logits_match_transformers(tmp_path, case, test_device):
+    model, hf = ours_and_hf(tmp_path, case, test_device)
     torch.manual_seed(1)
     tokens = torch.randint(0, model.config.vocab_size, (90,)).tolist()
     with torch.no_grad():
-        ref = hf(torch.tensor([tokens])).logits[0]  # [T, V]
+        ref = hf(torch.tensor([tokens], device=test_device)).logits[0]  # [T, V]
     prefill_then_decode, table = run_chunks(model, tokens, [70] + [1] * 20)
     assert is_contiguous(table)  # the in-place view path
     torch.testing.assert_close(prefill_then_decode, ref, atol=1e-4, rtol=1e-4)

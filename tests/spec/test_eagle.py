@@ -305,13 +305,17 @@ def test_window_limits_what_a_row_sees(tiny_llama):
     assert not torch.allclose(full[0, -1], short[0, -1], atol=1e-4)
 
 
-def test_engine_drafts_are_the_heads_and_acceptance_keeps_greedy_output(trained, tiny_llama):
+def test_engine_drafts_are_the_heads_and_acceptance_keeps_greedy_output(trained, tiny_llama,
+                                                                       test_device):
+    """On OASISKV_TEST_DEVICE (conftest): the head and its state on the target's device."""
     out, _ = trained
     prompts = corpus(3, 5)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = LLM(str(tiny_llama)).generate(prompts, greedy, use_tqdm=False)
-    llm = LLM(str(tiny_llama), drafter=f"eagle:{out}", speculative="accept")
+    ref = LLM(str(tiny_llama), device=test_device).generate(prompts, greedy, use_tqdm=False)
+    llm = LLM(str(tiny_llama), drafter=f"eagle:{out}", speculative="accept", device=test_device)
     drafter = llm.engine.drafter
+    device = llm.engine.device
+    assert all(t.device.type == device.type for t in drafter.head.state_dict().values())
     proposed: dict[str, dict[int, int]] = {}
     propose = drafter.propose_weighted
 
@@ -328,8 +332,8 @@ def test_engine_drafts_are_the_heads_and_acceptance_keeps_greedy_output(trained,
         tokens = o.prompt_token_ids + o.token_ids
         feats = target_features(llm.engine, tokens, drafter.feature_layers, False)["features"]
         head = drafter.head
-        hidden, _ = head(torch.tensor(tokens[1:])[None], feats[None, :-1].float(),
-                         torch.arange(1, len(tokens)))
+        hidden, _ = head(torch.tensor(tokens[1:], device=device)[None],
+                         feats[None, :-1].float(), torch.arange(1, len(tokens), device=device))
         batch = head.d2t[head.logits(hidden[0]).argmax(-1)].tolist()  # batch[p-1] guesses x_{p+1}
         mine = proposed[o.request_id]
         assert len(mine) >= 12
@@ -357,3 +361,18 @@ def test_sparse_lookahead_with_the_head_decodes_like_dense(trained, tiny_llama, 
 def test_bad_head_directory_is_a_clear_error(tmp_path, tiny_llama):
     with pytest.raises(ValueError, match="holds no trained head"):
         LLM(str(tiny_llama), drafter=f"eagle:{tmp_path}", kv_mode="sparse")
+
+
+def test_a_loaded_head_follows_the_targets_device(trained, tiny_llama):
+    """Checkable without a GPU: a target on the meta device gets a head whose own weights
+    (read from the file on the CPU) and buffers are all on the meta device too."""
+    from oasiskv.models.llama import LlamaForCausalLM
+
+    out, _ = trained
+    mc = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama))).model_config
+    with torch.device("meta"):
+        target = LlamaForCausalLM(mc)
+    head = load_head(out, target)
+    placed = {name: t.device.type for name, t in [*head.named_parameters(),
+                                                  *head.named_buffers()]}
+    assert set(placed.values()) == {"meta"}, placed
