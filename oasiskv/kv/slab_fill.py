@@ -11,6 +11,7 @@ import torch
 from oasiskv.config import CacheConfig
 from oasiskv.kv.select import insert_block
 from oasiskv.kv.slab import Slab
+from oasiskv.kv.transfers import download, upload
 from oasiskv.kv.working_set import StepDecode, WorkingSet
 from oasiskv.sequence import Sequence
 
@@ -28,9 +29,10 @@ class SlabFills:
         far come from the host (its complete blocks are admitted by the first selection)."""
         L, _, hkv, _, _ = self.device_kv.shape
         K = self.slab.working
-        d.seq.working_set = WorkingSet(torch.full((L, K, hkv), -1, dtype=torch.long),
-                                       torch.zeros((L, K, hkv), dtype=torch.long), [False] * L,
-                                       [False] * L)
+        dev = self.device_kv.device  # selection runs where the slabs are
+        d.seq.working_set = WorkingSet(torch.full((L, K, hkv), -1, dtype=torch.long, device=dev),
+                                       torch.zeros((L, K, hkv), dtype=torch.long, device=dev),
+                                       [False] * L, [False] * L)
         self.load_slab(d.seq, d.pos)
 
     def slab_kv(self, seq: Sequence) -> torch.Tensor:
@@ -135,10 +137,14 @@ class SlabFills:
         layers behind request A's later ones (and behind a slow fetch of those)."""
         if not fills:
             return
-        # jobs keep what they need: the request may end (and free its tables) while they run
-        step = self.step
-        args = [(d, d.seq.working_set, block, self.host_block(d.seq, block),
-                 d.seq.summary_ids[block]) for d, block in fills]
+        # jobs keep what they need: the request may end (and free its tables) while they run;
+        # what they index with goes to the device here, so that no job reads back or builds
+        # a tensor from Python data
+        step, B, dev = self.step, self.cfg.block_size, self.device_kv.device
+        args = [(d.seq.working_set, block, self.host_block(d.seq, block),
+                 upload(torch.tensor([d.seq.summary_ids[block]]), dev),
+                 d.seq.block_table[self.slab.active] * B, upload(d.slab_tokens, dev))
+                for d, block in fills]
         seqs = [d.seq for d, _ in fills]
 
         def fill(run: slice) -> None:
@@ -153,18 +159,24 @@ class SlabFills:
             self.pipeline.submit(list(range(run.start, run.stop)), f"fill step {step}",
                                  [("fill", lambda run=run: fill(run))], seqs)
 
-    def _fill(self, d: StepDecode, ws: WorkingSet, block: int, host: int, summary: int,
-              run: slice, step: int) -> None:
+    def _fill(self, ws: WorkingSet, block: int, host: int, summary: torch.Tensor, active: int,
+              slab_tokens: torch.Tensor, run: slice, step: int) -> None:
+        """One completed block in layers `run`: to the host tier (non-blocking into pinned
+        memory on CUDA), its summary, and into every head's working set (a fixed-size copy
+        of the active block into each head's chosen slot; heads that already hold it copy
+        their slot's own rows back)."""
         B = self.cfg.block_size
-        active = int(d.slab_tokens[self.slab.active])
         kv = self.device_kv[run]  # [n, 2, Hkv, slots, d]
         chunk = kv[:, :, :, active:active + B]  # [n, 2, Hkv, B, d]
-        self.host_kv[run, :, :, host * B:(host + 1) * B] = chunk
+        download(self.host_kv[run, :, :, host * B:(host + 1) * B], chunk)
         self._count(d2h_bytes=chunk.numel() * chunk.element_size())
-        self._summarize(torch.tensor([summary]), chunk[:, 0, :, None], layers=run)
-        layers, slots, heads = insert_block(ws.head_map[run], ws.last_used[run], block, step)
-        arange_b = torch.arange(B)
-        dst = d.slab_tokens[slots][:, None] + arange_b  # [m, B] (m: (layer, head)s)
-        layers, heads = layers[:, None], heads[:, None]
-        kv[layers, :, heads, dst] = kv[layers, :, heads, active + arange_b]
-
+        self._summarize(summary, chunk[:, 0, :, None], layers=run)
+        slots, new = insert_block(ws.head_map[run], ws.last_used[run], block, step)  # [n, Hkv]
+        n, _, hkv = kv.shape[:3]
+        dev = kv.device
+        dst = slab_tokens[slots][..., None] + torch.arange(B, device=dev)  # [n, Hkv, B]
+        layers = torch.arange(n, device=dev)[:, None, None]
+        heads = torch.arange(hkv, device=dev)[None, :, None]
+        old = kv[layers, :, heads, dst]  # [n, Hkv, B, 2, d]
+        kv[layers, :, heads, dst] = torch.where(new[..., None, None, None], chunk.permute(
+            0, 2, 3, 1, 4), old)
