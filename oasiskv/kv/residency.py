@@ -108,7 +108,7 @@ class SparseKV(SparseLayerHooks, SlabFills, PromptStore, JobGroups):
         self.predictor = make_predictor(self.cfg)
         self.cap = FetchCap(self.cfg.top_k, self.cfg.fetch_cap, auto=self.cfg.f_hbm == "auto")
         if self.cap.auto:
-            self.cap.bandwidth = measure_fetch_bandwidth(self.device_kv, self.host_kv,
+            self.cap.bandwidth = measure_fetch_bandwidth(self.device_kv, self.host_view,
                                                          self.cfg.block_size)
 
     @property

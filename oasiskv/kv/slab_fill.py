@@ -23,6 +23,7 @@ class SlabFills:
     slab: Slab
     device_kv: torch.Tensor  # [L, 2, Hkv, device_slots, d]
     host_kv: torch.Tensor  # [L, 2, Hkv, host_slots, d]
+    host_view: torch.Tensor  # host_kv where the device's kernels read it (`kv/transfers.py`)
 
     def _load(self, d: StepDecode) -> None:
         """First sparse decode step of a request: empty head map; the active block's tokens so
@@ -67,23 +68,28 @@ class SlabFills:
         if filled:
             src = self.host_block(seq, pos // B) * B
             dst = int(slab[self.slab.active])
-            self.device_kv[:, :, :, dst:dst + filled] = self.host_kv[:, :, :, src:src + filled]
+            self.device_kv[:, :, :, dst:dst + filled] = self.host_view[:, :, :, src:src + filled]
             moved += self.device_kv[:, :, :, :filled].numel()
         self._count(h2d_bytes=moved * self.device_kv.element_size())
 
     def _gather_working_set(self, seq: Sequence, slab: torch.Tensor) -> int:
         """Each layer's working-set blocks from the host into their (slot, head); returns the
         elements moved."""
-        B, arange_b, moved = self.cfg.block_size, torch.arange(self.cfg.block_size), 0
-        cache, table = seq.host_cache, torch.tensor(seq.host_table, dtype=torch.long)
+        # (foreground, once per request: the host may read the head maps here)
+        dev = self.device_kv.device
+        B, arange_b, moved = self.cfg.block_size, torch.arange(self.cfg.block_size, device=dev), 0
+        cache = seq.host_cache
+        table = upload(torch.tensor(seq.host_table, dtype=torch.long), dev)
+        slab = upload(slab, dev)
         for layer, head_map in enumerate(seq.working_set.head_map):  # [K, Hkv]
             slots, heads = (head_map >= 0).nonzero(as_tuple=True)
             if not len(slots):
                 continue
             blocks = head_map[slots, heads]
-            host = table[blocks] if cache is None else cache.where[layer, blocks]
+            host = table[blocks] if cache is None else \
+                cache.where[layer, blocks.to(cache.where.device)].to(dev)
             src, dst = host[:, None] * B + arange_b, slab[slots, None] + arange_b  # [n, B]
-            kv, host_kv = self.device_kv[layer], self.host_kv[layer]
+            kv, host_kv = self.device_kv[layer], self.host_view[layer]
             kv[:, heads[:, None], dst] = host_kv[:, heads[:, None], src]
             moved += src.numel() * 2 * kv.shape[-1]
         return moved
@@ -102,11 +108,12 @@ class SlabFills:
         is dropped (a failed step or stage) reloads its active block from there intact."""
         if not decodes:
             return
-        B, active = self.cfg.block_size, self.slab.active
+        B, active, dev = self.cfg.block_size, self.slab.active, self.device_kv.device
         src = torch.tensor([int(d.slab_tokens[active]) + d.pos % B for d in decodes])
         dst = torch.tensor([self.host_block(d.seq, d.pos // B) * B + d.pos % B for d in decodes])
-        tokens = self.device_kv[:, :, :, src.to(self.device_kv.device)]  # [L, 2, Hkv, n, d]
-        self.host_kv[:, :, :, dst] = tokens.to(self.host_kv.device)
+        tokens = self.device_kv[:, :, :, upload(src, dev)]  # [L, 2, Hkv, n, d]
+        # on CUDA a device write into pinned memory: the host does not wait for it
+        self.host_view[:, :, :, upload(dst, dev)] = tokens
         self._count(d2h_bytes=tokens.numel() * tokens.element_size())
 
     def commit_token(self, seq: Sequence, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -120,8 +127,9 @@ class SlabFills:
         self.host_kv[:, 1, :, host] = v.to(self.host_kv.device)
         if seq.working_set is None:  # dropped: it reloads from the host at its next step
             if (pos + 1) % B == 0:  # the block is complete there and needs its summary
-                keys = self.host_kv[:, 0, :, host + 1 - B:host + 1]  # [L, Hkv, B, d]
-                self._summarize(torch.tensor([seq.summary_ids[block]]), keys[:, :, None])
+                keys = self.host_view[:, 0, :, host + 1 - B:host + 1]  # [L, Hkv, B, d]
+                self._summarize(upload(torch.tensor([seq.summary_ids[block]]),
+                                       self.kmin.device), keys[:, :, None])
             return
         slot = self.slab.active_token(seq.block_table, pos)
         self.device_kv[:, 0, :, slot] = k

@@ -18,6 +18,7 @@ A device-to-host copy of device memory cannot be told apart on a CPU (there is o
 the tier copies go through `kv/transfers.py` (non-blocking), which only a GPU run confirms.
 """
 
+import os
 import traceback
 
 import pytest
@@ -126,6 +127,34 @@ def test_no_prefetch_stage_synchronises_the_host(tiny_llama, monkeypatch, eager,
                                           **options), prompts)
     assert found == [], f"{len(found)} host syncs on the prefetch path:\n" + "\n".join(
         sorted(set(found)))
+
+
+@pytest.mark.skipif(os.environ.get("OASISKV_TEST_DEVICE", "cpu") == "cpu",
+                    reason="a GPU run (OASISKV_TEST_DEVICE=cuda): the CPU test above stands in")
+def test_no_prefetch_stage_synchronises_a_cuda_device(tiny_llama, monkeypatch):
+    """On CUDA, with the stream executor: torch's own sync check raises inside every stage
+    (it sees what the CPU test cannot: device-to-host copies)."""
+    real = executor_mod._run
+
+    def strict(stage, fn, after, handle, tracer, label):
+        def checked():
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        real(stage, checked, after, handle, tracer, label)
+
+    monkeypatch.setattr(executor_mod, "_run", strict)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (90, 140)]
+    llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=3, f_hbm=0.34, prefetch="async",
+              predictor="previous", max_num_seqs=2, device=os.environ["OASISKV_TEST_DEVICE"])
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                       use_tqdm=False)
+    assert all(len(o.token_ids) == 24 for o in out)
+    llm.engine.sparse.flush()
+    assert llm.engine.sparse.counters.admitted > 0
 
 
 def test_the_mode_sees_each_kind_of_sync():
