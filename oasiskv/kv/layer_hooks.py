@@ -11,7 +11,7 @@ import torch
 
 from oasiskv.config import CacheConfig
 from oasiskv.kv.predictors import Predictor
-from oasiskv.kv.select import mixed_queries
+from oasiskv.kv.select import draft_weights, mixed_queries
 from oasiskv.kv.select_jobs import SelectJob
 from oasiskv.kv.transfers import upload
 from oasiskv.kv.working_set import StepDecode
@@ -105,7 +105,14 @@ class SparseLayerHooks:
         rows = self.predictor.query_rows([d.attn for d in decodes])
         weights = [d.seq.draft_weights for d in decodes]
         if len({len(r) for r in rows}) == 1:  # one gather for the batch (a copy: jobs keep it)
-            queries = mixed_queries(q[torch.tensor(rows, device=q.device)], weights)  # [R, H, d]
+            # rows and weights are the same in every layer: on the device once a step (a
+            # tensor from Python data each layer would stop the host on CUDA, every layer)
+            key = ("rows", *map(id, decodes))
+            if key not in self._batches:
+                self._batches[key] = tuple(upload(t, q.device) for t in (
+                    torch.tensor(rows), draft_weights(weights, len(rows[0]))))
+            index, w = self._batches[key]
+            queries = mixed_queries(q[index], w)  # [R, H, d]
         else:
             queries = torch.cat([mixed_queries(q[r][None], [w])
                                  for r, w in zip(rows, weights, strict=True)])

@@ -159,16 +159,24 @@ def rerank_by_mass(scores: torch.Tensor, q: torch.Tensor, keys_of: Callable[[tor
     return torch.full_like(scores, float("-inf")).scatter_(-1, top.indices, mass)
 
 
-def mixed_queries(queries: torch.Tensor, weights: list[list[float] | None]) -> torch.Tensor:
+def draft_weights(weights: list[list[float] | None], m: int) -> torch.Tensor:
+    """mixed_queries' weights [R, m] (float32, on the host) of one list per request."""
+    return torch.tensor([ws or [1.0] * m for ws in weights], dtype=torch.float32)
+
+
+def mixed_queries(queries: torch.Tensor,
+                  weights: list[list[float] | None] | torch.Tensor) -> torch.Tensor:
     """Each request's drafts' queries [R, m, H, d] -> one per request [R, H, d]: their mean
     weighted by how likely each draft is to be the next token (`spec.drafters.
-    sampling_weights`, one list per request; None: equal weights), so that the selection
-    covers what the next step may need, likely guesses first. One pass for the batch."""
+    sampling_weights`, one list per request; None: equal weights; or `draft_weights`' tensor
+    of them, on the queries' device), so that the selection covers what the next step may
+    need, likely guesses first. One pass for the batch."""
     if queries.shape[1] == 1:
         return queries[:, 0]
     m = queries.shape[1]
-    w = torch.tensor([ws or [1.0] * m for ws in weights], dtype=queries.dtype,
-                     device=queries.device)  # [R, m]
+    if not isinstance(weights, torch.Tensor):
+        weights = draft_weights(weights, m)
+    w = weights.to(queries.device, queries.dtype)  # [R, m]
     return (w[..., None, None] * queries).sum(1) / w.sum(1)[:, None, None]
 
 
