@@ -13,7 +13,7 @@ from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.kv.blocks import block_runs, is_contiguous
 from oasiskv.kv.dense_layers import dense_context, token_bytes
 from oasiskv.kv.residency import SparseKV
-from oasiskv.kv.transfers import device_view
+from oasiskv.kv.transfers import device_view, upload
 from oasiskv.layers import decode_kernel
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.sequence import Sequence
@@ -124,6 +124,12 @@ class ModelRunner:
             else:  # sparse prefill: K/V go to the host tier, attention reads it there
                 pool, slots = "host", self._token_slots(seq.host_table, start, end)
                 attn = self._view(seq.host_table, row, n, end, pool)
+                if self.device.type == "cuda" and start:
+                    # a later chunk on CUDA: the prefix is gathered from pinned memory into
+                    # device memory once a layer, and attended there (a view of the host
+                    # pool would be read over PCIe again by every tile of the attention)
+                    attn = SeqAttention(row, row + n, end, None, upload(
+                        self._token_slots(seq.host_table, 0, end), self.device), pool)
             writes.setdefault(pool, ([], []))
             writes[pool][0].append(rows)
             writes[pool][1].append(slots)

@@ -8,12 +8,14 @@ attention reads after `PrefetchPipeline.wait`: under every interleaving each rea
 its writer's value, while the host never waits for the device. Only a GPU run confirms the
 real streams (listed in the device check)."""
 
+import os
 import random
 import weakref
 from collections import deque
 from contextlib import contextmanager
 
 import pytest
+import torch
 
 from oasiskv.prefetch.executor import CudaStreamExecutor
 from oasiskv.prefetch.pipeline import PrefetchPipeline
@@ -155,3 +157,25 @@ def test_a_failed_stage_fails_its_dependents_and_the_waiter():
     with pytest.raises(Exception, match="'predict'.*ZeroDivisionError"):
         pipe.wait(0)
     assert ran == []
+
+
+@pytest.mark.skipif(os.environ.get("OASISKV_TEST_DEVICE", "cpu") == "cpu",
+                    reason="a GPU run (OASISKV_TEST_DEVICE=cuda)")
+def test_real_streams_run_a_chain_between_the_foreground_s_work():
+    """On CUDA streams: each step's chain reads the foreground's value of that step and the
+    foreground reads the chain's result after waiting (large products: a missing wait
+    would read a result not yet written)."""
+    dev = torch.device(os.environ["OASISKV_TEST_DEVICE"])
+    pipe = PrefetchPipeline(CudaStreamExecutor(dev))
+    a = torch.randn(2048, 2048, device=dev) / 45
+    out = {}
+    for step in range(3):
+        q = a * (step + 1)  # the foreground's work, which the chain reads
+        pipe.submit(0, f"step {step}", [
+            ("predict", lambda q=q: out.__setitem__("p", q @ a)),
+            ("select", lambda: out.__setitem__("s", out["p"] @ a)),
+            ("local", lambda: out.__setitem__("slab", out["s"].sum(0)))], [])
+        pipe.wait(0)
+        got = out["slab"].clone()  # on the foreground stream, after the wait
+        torch.testing.assert_close(got, ((a * (step + 1)) @ a @ a).sum(0))
+    pipe.close()
