@@ -167,7 +167,8 @@ class CacheConfig:
         "KV head for int8, B*d/2+4 for int4)")
     prefetch: str = _field(
         "sync", "sparse: async runs each layer's next-step selection and fetch in the "
-        "background (worker threads; sparse runs on the CPU only); sync runs them inline "
+        "background (worker threads on the CPU, a CUDA stream per stage on a GPU); sync runs "
+        "them inline "
         "(the default: on a 2-core CPU the workers compete with the model for the cores)")
     prefetch_group: int = _field(
         0, "sparse, async: layers per prefetch job (the next step's "

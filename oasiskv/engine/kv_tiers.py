@@ -61,9 +61,6 @@ def build_kv_tiers(owner: object, model: LlamaForCausalLM, cache: CacheConfig,
     block = cache.block_size
     bytes_per_block = mc.kv_bytes_per_token(dtype) * block
     check_dense_layers(cache.dense_layers, mc)
-    if cache.kv_mode == "sparse" and device.type != "cpu":
-        raise ValueError("kv_mode=sparse runs on the CPU for now: its prefill reads the "
-                         "host tier in place (the GPU path needs the prefetch executor)")
     if cache.kv_mode == "dense":
         split = split_dense(cache.device_kv_budget, bytes_per_block)
         device_kv = allocate_kv(mc, split.kv_blocks, block, dtype, device)
@@ -164,11 +161,11 @@ def warm_up(sparse: SparseKV, cache: CacheConfig, mc: ModelConfig) -> None:
     warm_up_scores(sparse.kmin, cache.score_aggregation, mc.num_heads // mc.num_kv_heads,
                    cache.summary_splits)
     if cache.reranks:  # its second stage, over the keys it reads
-        keys = (sparse.key_codes if cache.key_copy else
-                sparse.host_kv[:, 0].unflatten(2, (-1, cache.block_size)).transpose(1, 2))
+        keys = (sparse.key_codes if cache.key_copy else  # the host tier as the device reads it
+                sparse.host_view[:, 0].unflatten(2, (-1, cache.block_size)).transpose(1, 2))
         warm_up_rerank(keys, mc.num_heads)
     if cache.key_copy:
-        warm_up_key_copy(sparse.host_kv, cache.block_size, cache.key_copy_bits)
+        warm_up_key_copy(sparse.host_view, cache.block_size, cache.key_copy_bits)
     log.info("compiled the block scoring in %.1f s", time.perf_counter() - t0)
 
 

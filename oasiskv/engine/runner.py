@@ -13,6 +13,7 @@ from oasiskv.engine.scheduler import ScheduledBatch
 from oasiskv.kv.blocks import block_runs, is_contiguous
 from oasiskv.kv.dense_layers import dense_context, token_bytes
 from oasiskv.kv.residency import SparseKV
+from oasiskv.kv.transfers import device_view, upload
 from oasiskv.layers import decode_kernel
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.sequence import Sequence
@@ -70,7 +71,10 @@ class ModelRunner:
         self.sparse = sparse
         self.dense_kv = dense_kv
         self.dense_layers = 0 if dense_kv is None else dense_kv.shape[0]
-        # Pools are [layers, K/V, Hkv, slots, d]; each attention layer gets its slices.
+        # Pools are [layers, K/V, Hkv, slots, d]; each attention layer gets its slices. Sparse
+        # prefill writes and attends the host tier in place: on CUDA through its device view
+        # (pinned memory read over unified addressing, `kv/transfers.py`); on the CPU itself.
+        host_pool = None if host_kv is None else device_view(host_kv, self.device)
         for i, attn in enumerate(model.attention_layers()):
             attn.layer_idx = i
             if i < self.dense_layers:
@@ -78,8 +82,8 @@ class ModelRunner:
             else:
                 j = i - self.dense_layers
                 attn.pools = {"device": (device_kv[j, 0], device_kv[j, 1])}
-            if host_kv is not None:
-                attn.pools["host"] = (host_kv[i, 0], host_kv[i, 1])
+            if host_pool is not None:
+                attn.pools["host"] = (host_pool[i, 0], host_pool[i, 1])
         if self.device.type == "cpu":  # built (a fresh machine) or loaded now, not in a request
             decode_kernel.extension()
 
@@ -127,6 +131,12 @@ class ModelRunner:
             else:  # sparse prefill: K/V go to the host tier, attention reads it there
                 pool, slots = "host", self._token_slots(seq.host_table, start, end)
                 attn = self._view(seq.host_table, row, n, end, pool)
+                if self.device.type == "cuda" and start:
+                    # a later chunk on CUDA: the prefix is gathered from pinned memory into
+                    # device memory once a layer, and attended there (a view of the host
+                    # pool would be read over PCIe again by every tile of the attention)
+                    attn = SeqAttention(row, row + n, end, None, upload(
+                        self._token_slots(seq.host_table, 0, end), self.device), pool)
             writes.setdefault(pool, ([], []))
             writes[pool][0].append(rows)
             writes[pool][1].append(slots)

@@ -1,10 +1,18 @@
 """The sparse KV's counters (selection, traffic, stalls) and the tally that prefetch jobs count
-into from worker threads, taken into the step's and the total counters by the foreground."""
+into from worker threads, taken into the step's and the total counters by the foreground.
+
+A job counts device tensors as they are (reading one back would stop the host until the
+device caught up, and with the CUDA executor serialise the prefetch streams); the tally reads
+them back when it is taken, once per step, all at once, and only those whose job's work is
+done (a CUDA count carries the event recorded after it: a count not yet done waits for a
+later take, or for `take(wait=True)`)."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass
@@ -34,16 +42,38 @@ class CounterTally:
 
     def __init__(self) -> None:
         self._pending = SparseCounters()
+        self._tensors: list[tuple[str, torch.Tensor, object]] = []  # (name, count, event)
         self._lock = threading.Lock()
 
-    def count(self, **amounts: float) -> None:
-        """Adds to the named counters (a SparseCounters field each)."""
+    def count(self, **amounts: float | torch.Tensor) -> None:
+        """Adds to the named counters (a SparseCounters field each); a tensor amount (a 0-d
+        count on the job's device) is read back by `take`."""
+        event = None
+        for name, value in amounts.items():
+            if not hasattr(self._pending, name):
+                raise AttributeError(f"no counter named {name!r}")
+            if isinstance(value, torch.Tensor) and value.is_cuda and event is None:
+                event = torch.cuda.Event()  # after the work that computes the count
+                event.record()
         with self._lock:
             for name, value in amounts.items():
-                setattr(self._pending, name, getattr(self._pending, name) + value)
+                if isinstance(value, torch.Tensor):
+                    self._tensors.append((name, value, event))
+                else:
+                    setattr(self._pending, name, getattr(self._pending, name) + value)
 
-    def take(self) -> SparseCounters:
-        """What was counted since the last take; the tally starts again from zero."""
+    def take(self, wait: bool = False) -> SparseCounters:
+        """What was counted since the last take (tensor counts whose work is done, or all of
+        them with `wait`: one read-back for all); the tally starts again from zero."""
         with self._lock:
             pending, self._pending = self._pending, SparseCounters()
+            ready = [t for t in self._tensors if wait or t[2] is None or t[2].query()]
+            self._tensors = [t for t in self._tensors if not any(t is r for r in ready)]
+        for _, _, event in ready:
+            if event is not None:
+                event.synchronize()  # done already unless `wait`
+        if ready:  # the step's one read-back of device counts
+            values = torch.stack([t.reshape(()).to(torch.int64) for _, t, _ in ready]).tolist()
+            for (name, _, _), value in zip(ready, values, strict=True):
+                setattr(pending, name, getattr(pending, name) + value)
         return pending

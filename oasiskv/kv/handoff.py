@@ -168,7 +168,8 @@ def receive_handoff(kv: SparseKV, seq: Sequence, handoff: Handoff) -> int:
     generated = seq.host_cache.where[0, P:P + -(-h.tail.shape[3] // B)]
     tokens = (generated[:, None] * B + torch.arange(B)).flatten()[:h.tail.shape[3]]
     kv.host_kv[:, :, :, tokens] = h.tail.to(kv.host_kv)
-    seq.working_set = WorkingSet(h.head_map.clone(), h.ages + stamp(kv.step), list(h.seeded),
-                                 list(h.primed))
+    dev = kv.device_kv.device  # selection runs where the slabs are
+    seq.working_set = WorkingSet(h.head_map.clone().to(dev), (h.ages + stamp(kv.step)).to(dev),
+                                 list(h.seeded), list(h.primed))
     kv.load_slab(seq, h.num_computed_tokens, slab)
     return read

@@ -11,8 +11,9 @@ import torch
 
 from oasiskv.config import CacheConfig
 from oasiskv.kv.predictors import Predictor
-from oasiskv.kv.select import mixed_queries
+from oasiskv.kv.select import draft_weights, mixed_queries
 from oasiskv.kv.select_jobs import SelectJob
+from oasiskv.kv.transfers import upload
 from oasiskv.kv.working_set import StepDecode
 from oasiskv.prefetch.executor import InlineExecutor, PrefetchError
 from oasiskv.prefetch.pipeline import PrefetchPipeline
@@ -29,6 +30,7 @@ class SparseLayerHooks:
     _decodes: list[StepDecode]
     _deferred: list[tuple[int, list[StepDecode], torch.Tensor]]
     _mark: float | None
+    _batches: dict
 
     def wait_layer(self, layer: int) -> None:
         """Before layer `layer`'s K/V writes (which must not reach the active slot while a
@@ -78,8 +80,11 @@ class SparseLayerHooks:
         # the active block's tokens up to this step's position
         resident = torch.stack([d.seq.working_set.head_map[layer] for d in self._decodes]) >= 0
         R, K, hkv = resident.shape  # [R, K, Hkv]
-        filled = torch.tensor([d.pos % B for d in self._decodes])
-        active = torch.arange(B) <= filled[:, None]  # [R, B]
+        if "active" not in self._batches:  # once a step: built on the host, then uploaded
+            filled = torch.tensor([d.pos % B for d in self._decodes])
+            self._batches["active"] = upload(torch.arange(B) <= filled[:, None],
+                                             resident.device)
+        active = self._batches["active"]  # [R, B]
         valid = torch.cat([resident.transpose(1, 2)[..., None].expand(R, hkv, K, B)
                            .reshape(R, hkv, K * B), active[:, None].expand(R, hkv, B)], dim=2)
         for d, mask in zip(self._decodes, valid, strict=True):
@@ -100,7 +105,14 @@ class SparseLayerHooks:
         rows = self.predictor.query_rows([d.attn for d in decodes])
         weights = [d.seq.draft_weights for d in decodes]
         if len({len(r) for r in rows}) == 1:  # one gather for the batch (a copy: jobs keep it)
-            queries = mixed_queries(q[torch.tensor(rows, device=q.device)], weights)  # [R, H, d]
+            # rows and weights are the same in every layer: on the device once a step (a
+            # tensor from Python data each layer would stop the host on CUDA, every layer)
+            key = ("rows", *map(id, decodes))
+            if key not in self._batches:
+                self._batches[key] = tuple(upload(t, q.device) for t in (
+                    torch.tensor(rows), draft_weights(weights, len(rows[0]))))
+            index, w = self._batches[key]
+            queries = mixed_queries(q[index], w)  # [R, H, d]
         else:
             queries = torch.cat([mixed_queries(q[r][None], [w])
                                  for r, w in zip(rows, weights, strict=True)])

@@ -9,6 +9,7 @@ import torch
 from oasiskv.config import CacheConfig
 from oasiskv.kv.blocks import is_contiguous
 from oasiskv.kv.summaries import quantize_keys, round_outward, summarize, summary_rows
+from oasiskv.kv.transfers import upload
 from oasiskv.sequence import Sequence
 
 
@@ -17,6 +18,7 @@ class PromptStore:
 
     cfg: CacheConfig
     host_kv: torch.Tensor  # [L, 2, Hkv, host_slots, d]
+    host_view: torch.Tensor  # host_kv where the device's kernels read it (`kv/transfers.py`)
     kmin: torch.Tensor  # [L, summary ids * S, Hkv, d]
     kmax: torch.Tensor
     key_codes: torch.Tensor | None  # [L, summary ids, Hkv, d, B (int4: B/2)]
@@ -41,13 +43,14 @@ class PromptStore:
         if not blocks:
             return
         host_ids = [seq.host_table[b] for b in blocks]
+        host, dev = self.host_view, self.kmin.device  # where the device reads the host tier
         if is_contiguous(host_ids):  # one run of host slots: read in place (no 80 MB copy)
-            keys = self.host_kv[:, 0, :, host_ids[0] * B:(host_ids[-1] + 1) * B]
+            keys = host[:, 0, :, host_ids[0] * B:(host_ids[-1] + 1) * B]
         else:
             tokens = (torch.tensor(host_ids)[:, None] * B + torch.arange(B)).flatten()
-            keys = self.host_kv[:, 0][:, :, tokens]  # [L, Hkv, n*B, d]
+            keys = host[:, 0][:, :, upload(tokens, dev)]  # [L, Hkv, n*B, d]
         ids = torch.tensor([seq.summary_ids[b] for b in blocks], dtype=torch.long)
-        self._summarize(ids, keys.unflatten(2, (len(ids), B)))
+        self._summarize(upload(ids, dev), keys.unflatten(2, (len(ids), B)))
 
     def _summarize(self, ids: torch.Tensor, keys: torch.Tensor,
                    layers: slice = slice(None)) -> None:

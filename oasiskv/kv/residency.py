@@ -51,6 +51,7 @@ from oasiskv.kv.predictors import Predictor, make_predictor
 from oasiskv.kv.prompt_store import PromptStore
 from oasiskv.kv.slab import Slab
 from oasiskv.kv.slab_fill import SlabFills
+from oasiskv.kv.transfers import device_view, upload
 from oasiskv.kv.working_set import StepDecode
 from oasiskv.prefetch.executor import InlineExecutor
 from oasiskv.prefetch.pipeline import PrefetchPipeline
@@ -98,18 +99,36 @@ class SparseKV(SparseLayerHooks, SlabFills, PromptStore, JobGroups):
 
     _mark: float | None = None  # trace: when the foreground's current layer began
     _step_start: float = 0.0
+    _scales: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+    host_view: torch.Tensor = field(init=False)  # host_kv where the device's kernels read it
 
     def __post_init__(self) -> None:
+        self.host_view = device_view(self.host_kv, self.device_kv.device)
         self.slab = Slab(self.cfg.top_k, self.cfg.block_size)
         self.predictor = make_predictor(self.cfg)
         self.cap = FetchCap(self.cfg.top_k, self.cfg.fetch_cap, auto=self.cfg.f_hbm == "auto")
         if self.cap.auto:
-            self.cap.bandwidth = measure_fetch_bandwidth(self.device_kv, self.host_kv,
+            self.cap.bandwidth = measure_fetch_bandwidth(self.device_kv, self.host_view,
                                                          self.cfg.block_size)
 
     @property
     def fetch_cap(self) -> int:
         return self.cap.value
+
+    @property
+    def host_rows(self) -> torch.Tensor:
+        """The host pool as rows of one head's block, [L * 2 * Hkv * host blocks, B*d]."""
+        return self.host_view.view(-1, self.cfg.block_size * self.host_kv.shape[-1])
+
+    def layer_scales(self, layers: list[int]) -> torch.Tensor:
+        """The attention scale of each of `layers` on the device, [layers] (1/sqrt(d) when
+        the engine gave none); built once per run of layers (foreground)."""
+        key = tuple(layers)
+        if key not in self._scales:
+            scales = self.scales or [self.kmin.shape[-1] ** -0.5] * (max(layers) + 1)
+            self._scales[key] = upload(torch.tensor([scales[layer] for layer in layers],
+                                                    dtype=torch.float32), self.kmin.device)
+        return self._scales[key]
 
     @property
     def block_bytes_per_head(self) -> int:  # K and V of one head's slice of one block
@@ -137,10 +156,10 @@ class SparseKV(SparseLayerHooks, SlabFills, PromptStore, JobGroups):
         same (foreground only: jobs get them at construction)."""
         key = tuple(id(d) for d in decodes)
         if key not in self._batches:
-            self._batches[key] = (
+            self._batches[key] = tuple(upload(t, self.kmin.device) for t in (
                 pad_sequence([d.summary_ids for d in decodes], batch_first=True),
                 torch.tensor([len(d.summary_ids) for d in decodes]),
-                torch.stack([d.slab_tokens for d in decodes]))
+                torch.stack([d.slab_tokens for d in decodes])))
         return self._batches[key]
 
     def _reset(self, seqs: list[Sequence]) -> None:
@@ -154,7 +173,7 @@ class SparseKV(SparseLayerHooks, SlabFills, PromptStore, JobGroups):
     def flush(self) -> None:
         """Waits for every pending job and counts its work (stats, shutdown, slab reuse)."""
         self._reset([])
-        self._take_pending()
+        self._take_pending(wait=True)
 
     def release(self, seq: Sequence) -> None:
         """Before a request's blocks are freed: waits for every job that may still write them
@@ -166,8 +185,10 @@ class SparseKV(SparseLayerHooks, SlabFills, PromptStore, JobGroups):
     def _count(self, **amounts: float) -> None:
         self.tally.count(**amounts)  # jobs count from worker threads
 
-    def _take_pending(self) -> None:
-        pending = self.tally.take()
+    def _take_pending(self, wait: bool = False) -> None:
+        """The jobs' counts, read back once (end of step, flush); with `wait`, also those of
+        jobs still running on a device stream."""
+        pending = self.tally.take(wait)
         pending.stall_s += self.pipeline.take_stall()
         self.last_step.add(pending)
         self.counters.add(pending)

@@ -44,13 +44,6 @@ def requests_view(pool: torch.Tensor, requests: int, n: int, stride: int,
                            pool.storage_offset() + first * inner)
 
 
-def layer_scales(job: SelectJob, head_dim: int) -> torch.Tensor:
-    """The attention scale of each of the job's layers, [layers] (1/sqrt(d) when the engine
-    gave none)."""
-    scales = job.kv.scales or [head_dim ** -0.5] * (job.run.stop)
-    return torch.tensor([scales[layer] for layer in job.layers], dtype=torch.float32)
-
-
 class QuestBound(BlockScorer):
     """Each request's block scores over its complete blocks' summaries in each layer."""
 
@@ -61,31 +54,31 @@ class QuestBound(BlockScorer):
         hkv, alpha = kmin.shape[2], kv.cfg.score_alpha
         stride = self.stride(job, n, kmin.shape[1] // S)
         aggregation = kv.cfg.score_aggregation
-        scales = layer_scales(job, kmin.shape[-1])  # [layers]
+        scales, dev = job.scales, kmin.device  # [layers]
         if stride:  # equal strides: the batch's summaries are one view, scored in one call
             first = job.picks[0][0].summary_start
             lo, hi = (requests_view(x, R, n * S, stride * S, first * S) for x in (kmin, kmax))
             queries = torch.stack([q for _, q in job.picks], 1)  # [layers, R, H, d]
-            past = torch.arange(n)[None, :] >= job.lengths[:, None]  # another request's
+            past = torch.arange(n, device=dev)[None, :] >= job.lengths[:, None]  # not its own
             if aggregation != "sum":  # per query head, normalised over each request's blocks
                 return aggregated_scores(queries, lo, hi, past, scales[:, None], aggregation,
                                          alpha, S)
             weights = summary_weights(queries, hkv, alpha)
             out = weighted_scores(lo, hi, *weights, S)  # weights [layers, R, Hkv, d]
             return out.masked_fill_(past[:, None, :], float("-inf"))
-        out = torch.full((len(job.layers), R, hkv, n), float("-inf"))
+        out = torch.full((len(job.layers), R, hkv, n), float("-inf"), device=dev)
         for r, (d, q) in enumerate(job.picks):
             m = len(d.summary_ids)
             if d.summary_start is not None:  # one run of summaries: a view, no gather
                 run = slice(d.summary_start * S, (d.summary_start + m) * S)
                 lo, hi = kmin[:, run], kmax[:, run]
             else:
-                rows = summary_rows(d.summary_ids, S)
+                rows = summary_rows(job.ids[r, :m], S)  # the device's copy of its ids
                 lo, hi = kmin.index_select(1, rows), kmax.index_select(1, rows)
             # the request's own weights [layers, Hkv, d], strided as warm_up_scores compiled
             # for (a slice of the batch's would not be)
             if aggregation != "sum":
-                past = torch.zeros(m, dtype=torch.bool)
+                past = torch.zeros(m, dtype=torch.bool, device=dev)
                 out[:, r, :, :m] = aggregated_scores(q, lo, hi, past, scales, aggregation,
                                                      alpha, S)
                 continue
@@ -116,11 +109,12 @@ class Rerank(BlockScorer):
     def score(self, job: SelectJob, scores: torch.Tensor | None) -> torch.Tensor:
         kv, B, c = job.kv, job.kv.cfg.block_size, self.candidates
         queries = torch.stack([q for _, q in job.picks], 1)  # [layers, R, H, d]
-        scales = torch.tensor([kv.scales[layer] for layer in job.layers])
+        scales = job.scales  # [layers]
         if kv.key_codes is not None:  # [layers, summary ids, Hkv, d, B], scales [.., Hkv]
             return rerank_layers(scores, queries, scales, c, job.ids, kv.key_codes[job.run],
                                  kv.key_scales[job.run])
-        keys = kv.host_kv[job.run, 0].unflatten(2, (-1, B)).transpose(1, 2)  # [.., n, Hkv, B, d]
+        # the host tier's keys where the device reads them (`transfers.device_view`)
+        keys = kv.host_view[job.run, 0].unflatten(2, (-1, B)).transpose(1, 2)  # [.., n, Hkv, B, d]
         return rerank_layers(scores, queries, scales, c, job.ids, keys)
 
 
@@ -131,15 +125,15 @@ class AttentionMass(BlockScorer):
 
     def score(self, job: SelectJob, scores: torch.Tensor | None) -> torch.Tensor:
         kv, B, n = job.kv, job.kv.cfg.block_size, job.ids.shape[1]
-        hkv = kv.host_kv.shape[2]
-        out = torch.full((len(job.layers), len(job.picks), hkv, n), float("-inf"))
+        hkv, dev = kv.host_view.shape[2], job.ids.device
+        out = torch.full((len(job.layers), len(job.picks), hkv, n), float("-inf"), device=dev)
         for j, layer in enumerate(job.layers):
-            keys = kv.host_kv[layer][0]  # [Hkv, host slots, d]
+            keys = kv.host_view[layer][0]  # [Hkv, host slots, d]
             for r, (d, q) in enumerate(job.picks):
-                slots = (d.summary_ids[:, None] * B + torch.arange(B)).flatten()
+                m = len(d.summary_ids)
+                slots = (job.ids[r, :m, None] * B + torch.arange(B, device=dev)).flatten()
                 mass = block_mass(q[j], keys.index_select(1, slots), kv.scales[layer], B)
-                out[j, r, :, :len(d.summary_ids)] = mass.view(hkv, -1, len(d.summary_ids)
-                                                              ).sum(1)
+                out[j, r, :, :m] = mass.view(hkv, -1, m).sum(1)
         return out
 
 

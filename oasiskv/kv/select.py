@@ -159,16 +159,24 @@ def rerank_by_mass(scores: torch.Tensor, q: torch.Tensor, keys_of: Callable[[tor
     return torch.full_like(scores, float("-inf")).scatter_(-1, top.indices, mass)
 
 
-def mixed_queries(queries: torch.Tensor, weights: list[list[float] | None]) -> torch.Tensor:
+def draft_weights(weights: list[list[float] | None], m: int) -> torch.Tensor:
+    """mixed_queries' weights [R, m] (float32, on the host) of one list per request."""
+    return torch.tensor([ws or [1.0] * m for ws in weights], dtype=torch.float32)
+
+
+def mixed_queries(queries: torch.Tensor,
+                  weights: list[list[float] | None] | torch.Tensor) -> torch.Tensor:
     """Each request's drafts' queries [R, m, H, d] -> one per request [R, H, d]: their mean
     weighted by how likely each draft is to be the next token (`spec.drafters.
-    sampling_weights`, one list per request; None: equal weights), so that the selection
-    covers what the next step may need, likely guesses first. One pass for the batch."""
+    sampling_weights`, one list per request; None: equal weights; or `draft_weights`' tensor
+    of them, on the queries' device), so that the selection covers what the next step may
+    need, likely guesses first. One pass for the batch."""
     if queries.shape[1] == 1:
         return queries[:, 0]
     m = queries.shape[1]
-    w = torch.tensor([ws or [1.0] * m for ws in weights], dtype=queries.dtype,
-                     device=queries.device)  # [R, m]
+    if not isinstance(weights, torch.Tensor):
+        weights = draft_weights(weights, m)
+    w = weights.to(queries.device, queries.dtype)  # [R, m]
     return (w[..., None, None] * queries).sum(1) / w.sum(1)[:, None, None]
 
 
@@ -194,44 +202,58 @@ def select_capped_lru(head_map: torch.Tensor, last_used: torch.Tensor, predicted
     """Updates head_map / last_used ([K, Hkv], -1 = empty slot) in place for `predicted`
     ([Hkv, k], best first). Hits are marked used; up to `cap` misses per head (all when cap is
     None: seeding) enter, best first, each replacing an empty slot or else the least recently
-    selected block outside the predicted set. Misses beyond the cap stay out this step."""
-    caps = torch.tensor([predicted.shape[1] if cap is None else cap])
+    selected block outside the predicted set. Misses beyond the cap stay out this step.
+    (One request, its admissions compacted on the host: tools and tests.)"""
+    caps = torch.tensor([predicted.shape[1] if cap is None else cap], device=predicted.device)
     b = select_capped_lru_batch(head_map[None], last_used[None], predicted[None], caps, step)
-    return Selection(b.slots, b.heads, b.blocks, int(b.predicted[0]), int(b.hits[0]),
+    m = b.admitted
+    return Selection(b.slots[m], b.heads[m], b.blocks[m], int(b.predicted[0]), int(b.hits[0]),
                      int(b.wanted[0]))
 
 
 @dataclass
 class BatchSelection:
-    """select_capped_lru_batch's admissions (parallel 1-D tensors) and per-request counts."""
+    """select_capped_lru_batch's candidate admissions, R * Hkv * c of them (c: the largest
+    cap), as parallel 1-D tensors by request, head, then score order, `admitted` True for those
+    that entered (a fixed size: no count comes back to the host); per-request counts."""
 
     requests: torch.Tensor  # [A] which request
     slots: torch.Tensor  # [A]
     heads: torch.Tensor  # [A]
     blocks: torch.Tensor  # [A]
+    admitted: torch.Tensor  # [A] bool
     predicted: torch.Tensor  # [R]
     hits: torch.Tensor  # [R]
     wanted: torch.Tensor  # [R]
 
 
 def select_capped_lru_batch(head_map: torch.Tensor, last_used: torch.Tensor,
-                            predicted: torch.Tensor, caps: torch.Tensor,
-                            step: int) -> BatchSelection:
-    """select_capped_lru for R requests at once, a few tensor ops for the whole batch.
+                            predicted: torch.Tensor, caps: torch.Tensor, step: int,
+                            num_blocks: int | None = None,
+                            max_cap: int | None = None) -> BatchSelection:
+    """select_capped_lru for R requests at once, a few tensor ops for the whole batch, none
+    of which reads a tensor back to the host (given num_blocks).
 
     head_map / last_used [R, K, Hkv] (updated in place), predicted [R, Hkv, k] best first,
-    padded with -2 where a request has fewer than k blocks; caps [R] admissions per head."""
+    padded with -2 where a request has fewer than k blocks; caps [R] admissions per head, at
+    most max_cap (default k); num_blocks: more than any predicted block (default: read from
+    `predicted`, a host read-back)."""
+    R, hkv, k = predicted.shape
+    dev = predicted.device
     hm, lu = head_map.transpose(1, 2), last_used.transpose(1, 2)  # [R, Hkv, K] views
     valid = predicted >= 0
     # Tables indexed by logical block instead of comparing every slot with every pick: at
-    # K = 512 the [K, k] comparison was a third of a decode step. Empty slots and padding
-    # point at one extra column, cleared before it is read.
-    size = int(torch.maximum(hm.max(), predicted.max())) + 2
-    none = size - 1
-    slot_blocks = torch.where(hm >= 0, hm, none)  # [R, Hkv, K]
+    # K = 512 the [K, k] comparison was a third of a decode step. Empty slots, padding and
+    # resident blocks past num_blocks (never predicted) point at one extra column, cleared
+    # before it is read.
+    if num_blocks is None:
+        num_blocks = int(predicted.max()) + 1
+    none = num_blocks
+    slot_blocks = torch.where((hm >= 0) & (hm < none), hm, none)  # [R, Hkv, K]
     picks = torch.where(valid, predicted, none)  # [R, Hkv, k]
-    rank_of = torch.full((*hm.shape[:2], size), -1, dtype=torch.long)  # [R, Hkv, size]
-    rank_of.scatter_(-1, picks, torch.arange(picks.shape[-1]).expand_as(picks).contiguous())
+    ranks = torch.arange(k, device=dev)
+    rank_of = torch.full((R, hkv, none + 1), -1, dtype=torch.long, device=dev)
+    rank_of.scatter_(-1, picks, ranks.expand_as(picks).contiguous())
     rank_of[..., none] = -1
     hit_rank = rank_of.gather(-1, slot_blocks)  # [R, Hkv, K] rank of the slot's block, or -1
     is_hit = hit_rank >= 0  # slot holds a predicted block
@@ -239,32 +261,34 @@ def select_capped_lru_batch(head_map: torch.Tensor, last_used: torch.Tensor,
     resident[..., none] = False
     is_miss = ~resident.gather(-1, picks) & valid  # [R, Hkv, k] predicted block not resident
     lu[...] = torch.where(is_hit, stamp(step, hit_rank), lu)
-    miss_rank = torch.cumsum(is_miss, dim=-1) - 1  # order of each miss within its head
-    admit = is_miss & (miss_rank < caps[:, None, None])
-    # Victims: empty slots first, then the least recently selected non-predicted blocks; each
-    # head has at least as many as misses (K - hits >= k - hits).
+    # Each head's first c misses by score (c: the largest cap), the j-th into the head's j-th
+    # victim: empty slots first, then the least recently selected non-predicted blocks; each
+    # head has at least as many as misses (K - hits >= k - hits). Candidates past a head's
+    # misses or its request's cap write back what their slot holds.
+    c = k if max_cap is None else min(max_cap, k)
+    cols = torch.argsort((~is_miss).to(torch.uint8), dim=-1, stable=True)[..., :c]  # [R, Hkv, c]
+    admit = (ranks[:c] < is_miss.sum(-1, keepdim=True)) & (ranks[:c] < caps[:, None, None])
     age = torch.where(hm < 0, -1, lu).masked_fill(is_hit, torch.iinfo(lu.dtype).max)
-    victims = torch.argsort(age, dim=-1, stable=True)  # [R, Hkv, K]
-    reqs, heads, cols = admit.nonzero(as_tuple=True)  # by request, head, then score order
-    slots = victims[reqs, heads, miss_rank[reqs, heads, cols]]
-    blocks = predicted[reqs, heads, cols]
-    head_map[reqs, slots, heads] = blocks
-    last_used[reqs, slots, heads] = stamp(step, cols)
-    return BatchSelection(reqs, slots, heads, blocks, valid.sum((1, 2)), is_hit.sum((1, 2)),
+    slots = torch.argsort(age, dim=-1, stable=True)[..., :c]  # [R, Hkv, c] victims
+    blocks = predicted.gather(-1, cols)
+    hm.scatter_(-1, slots, torch.where(admit, blocks, hm.gather(-1, slots)))
+    lu.scatter_(-1, slots, torch.where(admit, stamp(step, cols), lu.gather(-1, slots)))
+    requests = torch.arange(R, device=dev)[:, None, None].expand_as(slots)
+    heads = torch.arange(hkv, device=dev)[None, :, None].expand_as(slots)
+    return BatchSelection(requests.flatten(), slots.flatten(), heads.flatten(), blocks.flatten(),
+                          admit.flatten(), valid.sum((1, 2)), is_hit.sum((1, 2)),
                           is_miss.sum((1, 2)))
 
 
 def insert_block(head_map: torch.Tensor, last_used: torch.Tensor, block: int,
-                 step: int) -> tuple[torch.Tensor, ...]:
+                 step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A block that just filled enters every head's working set ([..., K, Hkv], e.g. one per
-    layer), replacing an empty slot or the head's least recently selected block. Returns the
-    index of each (..., slot, head) that received it; a head that already holds the block
-    (a retried step) keeps it where it is."""
+    layer), replacing an empty slot or the head's least recently selected block. Returns, per
+    (..., head), the slot that received it [..., Hkv] and whether it entered [..., Hkv] (a head
+    that already holds the block, a retried step, keeps it where it is); no host read-back."""
     age = torch.where(head_map < 0, torch.full_like(last_used, -1), last_used)  # [..., K, Hkv]
-    slots = torch.argmin(age, dim=-2)  # [..., Hkv] first minimum: deterministic
-    new = ~(head_map == block).any(dim=-2)  # [..., Hkv]
-    *lead, heads = new.nonzero(as_tuple=True)
-    index = (*lead, slots[new], heads)
-    head_map[index] = block
-    last_used[index] = stamp(step)
-    return index
+    slots = torch.argmin(age, dim=-2, keepdim=True)  # [..., 1, Hkv] first minimum
+    new = ~(head_map == block).any(dim=-2, keepdim=True)  # [..., 1, Hkv]
+    head_map.scatter_(-2, slots, torch.where(new, block, head_map.gather(-2, slots)))
+    last_used.scatter_(-2, slots, torch.where(new, stamp(step), last_used.gather(-2, slots)))
+    return slots.squeeze(-2), new.squeeze(-2)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from oasiskv.kv.select import select_capped_lru_batch
+from oasiskv.kv.transfers import upload
 
 if TYPE_CHECKING:
     from oasiskv.kv.residency import SparseKV
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 def pinned_blocks(lengths: torch.Tensor, n: int, sink: int, recent: int) -> torch.Tensor:
     """[R, n] True for each request's first `sink` and last `recent` complete blocks: they
     score +inf, so top-K always keeps them (and, once resident, they are always hits)."""
-    idx = torch.arange(n)[None, :]
+    idx = torch.arange(n, device=lengths.device)[None, :]
     real = idx < lengths[:, None]
     return real & ((idx < sink) | (idx >= lengths[:, None] - recent))
 
@@ -43,13 +44,29 @@ class SelectJob:
         self.picks = [(d, q) for d, q in picks if len(d.summary_ids)]
         self.working_sets = [d.seq.working_set for d, _ in self.picks]
         self.caches = [d.seq.host_cache for d, _ in self.picks]  # remote store: host caches
-        self.ids = self.lengths = self.slabs = None  # [R, n], [R], [R, K+1]
+        self.ids = self.lengths = self.slabs = None  # [R, n], [R], [R, K+1] on the device
+        # What the stages need of the host's bookkeeping is read here, on the foreground,
+        # so that no stage reads a tensor back or builds one from Python data (on CUDA each
+        # would stop the host until the device caught up). Every earlier job of these layers
+        # has run by now (each layer waited for its own before its attention), so `seeded`
+        # is what the select stage would read.
+        self.counts = [len(d.summary_ids) for d, _ in self.picks]  # complete blocks each
+        self.caps = None  # [layers, R] admissions per head (uncapped until seeded)
+        self.max_cap = 0
         if self.picks:
             self.ids, self.lengths, self.slabs = kv.batch_tensors([d for d, _ in self.picks])
+            K, cap = kv.cfg.top_k, kv.fetch_cap
+            k = min(K, self.ids.shape[1])
+            caps = [[cap if ws.seeded[layer] else k for ws in self.working_sets]
+                    for layer in layers]
+            self.max_cap = min(k, max(map(max, caps)))
+            self.caps = upload(torch.tensor(caps), kv.kmin.device)
+            self.scales = kv.layer_scales(layers)  # [layers]
         self.predicted = None
-        self.requests = self.blocks = None  # [A] admissions: request, logical block
-        self.layer_of = None  # [A] admission's layer, as an index into `layers`
+        self.requests = self.blocks = None  # [A] candidate admissions: request, logical block
+        self.layer_of = None  # [A] candidate's layer, as an index into `layers`
         self.heads = self.dst = self.src = None  # [A] KV head, device token slot, host slot
+        self.admitted = None  # [A] which candidates entered (the rest are not copied)
 
     def _hook(self, stage: str) -> None:
         hook = self.kv.stage_hooks.get(stage)
@@ -75,7 +92,8 @@ class SelectJob:
             if pinned is not None:
                 scores.masked_fill_(pinned, float("inf"))
         top = torch.topk(scores, min(K, n), dim=-1, sorted=True).indices  # [layers, R, Hkv, k]
-        real = torch.arange(top.shape[-1]) < self.lengths.clamp(max=K)[:, None]  # [R, k]
+        real = (torch.arange(top.shape[-1], device=top.device)
+                < self.lengths.clamp(max=K)[:, None])  # [R, k]
         self.predicted = top.masked_fill(~real[:, None, :], -2)
 
     def select(self) -> None:
@@ -88,21 +106,19 @@ class SelectJob:
         # (layer, request) pairs are the batch: [layers, R, K, Hkv], flattened as views
         head_map = torch.stack([ws.head_map[self.run] for ws in wss], 1)
         last_used = torch.stack([ws.last_used[self.run] for ws in wss], 1)
-        k = self.predicted.shape[-1]
-        cap = kv.fetch_cap
-        caps = torch.tensor([[cap if ws.seeded[layer] else k for ws in wss]
-                             for layer in self.layers])  # [layers, R]
         sel = select_capped_lru_batch(head_map.flatten(0, 1), last_used.flatten(0, 1),
-                                      self.predicted.flatten(0, 1), caps.flatten(), self.step)
+                                      self.predicted.flatten(0, 1), self.caps.flatten(),
+                                      self.step, self.ids.shape[1], self.max_cap)
         for i, ws in enumerate(wss):
             ws.head_map[self.run], ws.last_used[self.run] = head_map[:, i], last_used[:, i]
-            past_k = int(self.lengths[i]) > K
+            past_k = self.counts[i] > K
             for layer in self.layers:
                 ws.seeded[layer] = ws.seeded[layer] or past_k
             if self.caches[i] is not None:  # the host cache's LRU follows the selections
                 self.caches[i].touch(self.layers[0], self.predicted[:, i].flatten(1), self.step)
-        kv._count(predicted=int(sel.predicted.sum()), hits=int(sel.hits.sum()),
-                  wanted=int(sel.wanted.sum()), admitted=len(sel.slots))
+        self.admitted = sel.admitted
+        kv._count(predicted=sel.predicted.sum(), hits=sel.hits.sum(), wanted=sel.wanted.sum(),
+                  admitted=sel.admitted.sum())
         self.layer_of, self.requests = sel.requests // R, sel.requests % R
         self.blocks, self.heads = sel.blocks, sel.heads
         self.dst = self.slabs[self.requests, sel.slots]
@@ -117,8 +133,14 @@ class SelectJob:
             return
         kv = self.kv
         if kv.remote is None:
-            self.src = self.ids[self.requests, self.blocks] * kv.cfg.block_size
+            self.src = self.ids[self.requests, self.blocks.clamp(min=0)] * kv.cfg.block_size
             return
+        # A remote store is a host-side call: the admissions are compacted on the host here
+        # (one read-back per job, in this stage only; one node never takes this path).
+        keep = self.admitted
+        self.layer_of, self.requests, self.blocks = (self.layer_of[keep], self.requests[keep],
+                                                     self.blocks[keep])
+        self.heads, self.dst, self.admitted = self.heads[keep], self.dst[keep], self.admitted[keep]
         wants = []
         layers = self.layer_of + self.layers[0]  # [A]
         for r, cache in enumerate(self.caches):
@@ -138,10 +160,14 @@ class SelectJob:
             host[mine] = cache.where[layers[mine], self.blocks[mine]]
         ok = host >= 0  # -1: the fetch failed
         self.layer_of, self.heads, self.dst = self.layer_of[ok], self.heads[ok], self.dst[ok]
+        self.admitted = self.admitted[ok]
         self.src = host[ok] * kv.cfg.block_size
 
     def local(self) -> None:
-        """One vectorised gather of per-head block slices, host -> device slots."""
+        """One vectorised gather of per-head block slices, host -> device slots: the
+        candidates that were not admitted copy their slot's own rows back (a fixed-size copy
+        whose indices never come back to the host; on CUDA the gather reads the pinned host
+        pool through unified addressing, `transfers.device_view`)."""
         self._hook("local")
         if self.heads is None or len(self.heads) == 0:
             return
@@ -149,11 +175,13 @@ class SelectJob:
         _, _, hkv, slots, d = kv.device_kv.shape
         # both pools as rows of one head's block ([L * 2 * Hkv * blocks, B*d]): one
         # index_select and one index_copy_ of whole rows, 1.7x faster than indexing tokens
-        device, host = kv.device_kv.view(-1, B * d), kv.host_kv.view(-1, B * d)
-        head = ((self.layer_of + self.layers[0]) * 2 + torch.arange(2)[:, None]) * hkv + \
-            self.heads  # [2 (K, V), A]
+        device, host = kv.device_kv.view(-1, B * d), kv.host_rows
+        dev = device.device
+        head = ((self.layer_of + self.layers[0]) * 2 + torch.arange(2, device=dev)[:, None]) \
+            * hkv + self.heads  # [2 (K, V), A]
         src = (head * (kv.host_kv.shape[3] // B) + self.src // B).flatten()
         dst = (head * (slots // B) + self.dst // B).flatten()
-        rows = host.index_select(0, src.to(host.device))
-        device.index_copy_(0, dst.to(device.device), rows.to(device.device))
-        kv._count(h2d_bytes=len(self.heads) * kv.block_bytes_per_head)
+        admitted = self.admitted.repeat(2)[:, None]  # [2A, 1]
+        rows = torch.where(admitted, host.index_select(0, src), device.index_select(0, dst))
+        device.index_copy_(0, dst, rows)
+        kv._count(h2d_bytes=self.admitted.sum() * kv.block_bytes_per_head)

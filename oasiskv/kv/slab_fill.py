@@ -11,6 +11,7 @@ import torch
 from oasiskv.config import CacheConfig
 from oasiskv.kv.select import insert_block
 from oasiskv.kv.slab import Slab
+from oasiskv.kv.transfers import download, upload
 from oasiskv.kv.working_set import StepDecode, WorkingSet
 from oasiskv.sequence import Sequence
 
@@ -22,15 +23,17 @@ class SlabFills:
     slab: Slab
     device_kv: torch.Tensor  # [L, 2, Hkv, device_slots, d]
     host_kv: torch.Tensor  # [L, 2, Hkv, host_slots, d]
+    host_view: torch.Tensor  # host_kv where the device's kernels read it (`kv/transfers.py`)
 
     def _load(self, d: StepDecode) -> None:
         """First sparse decode step of a request: empty head map; the active block's tokens so
         far come from the host (its complete blocks are admitted by the first selection)."""
         L, _, hkv, _, _ = self.device_kv.shape
         K = self.slab.working
-        d.seq.working_set = WorkingSet(torch.full((L, K, hkv), -1, dtype=torch.long),
-                                       torch.zeros((L, K, hkv), dtype=torch.long), [False] * L,
-                                       [False] * L)
+        dev = self.device_kv.device  # selection runs where the slabs are
+        d.seq.working_set = WorkingSet(torch.full((L, K, hkv), -1, dtype=torch.long, device=dev),
+                                       torch.zeros((L, K, hkv), dtype=torch.long, device=dev),
+                                       [False] * L, [False] * L)
         self.load_slab(d.seq, d.pos)
 
     def slab_kv(self, seq: Sequence) -> torch.Tensor:
@@ -65,23 +68,28 @@ class SlabFills:
         if filled:
             src = self.host_block(seq, pos // B) * B
             dst = int(slab[self.slab.active])
-            self.device_kv[:, :, :, dst:dst + filled] = self.host_kv[:, :, :, src:src + filled]
+            self.device_kv[:, :, :, dst:dst + filled] = self.host_view[:, :, :, src:src + filled]
             moved += self.device_kv[:, :, :, :filled].numel()
         self._count(h2d_bytes=moved * self.device_kv.element_size())
 
     def _gather_working_set(self, seq: Sequence, slab: torch.Tensor) -> int:
         """Each layer's working-set blocks from the host into their (slot, head); returns the
         elements moved."""
-        B, arange_b, moved = self.cfg.block_size, torch.arange(self.cfg.block_size), 0
-        cache, table = seq.host_cache, torch.tensor(seq.host_table, dtype=torch.long)
+        # (foreground, once per request: the host may read the head maps here)
+        dev = self.device_kv.device
+        B, arange_b, moved = self.cfg.block_size, torch.arange(self.cfg.block_size, device=dev), 0
+        cache = seq.host_cache
+        table = upload(torch.tensor(seq.host_table, dtype=torch.long), dev)
+        slab = upload(slab, dev)
         for layer, head_map in enumerate(seq.working_set.head_map):  # [K, Hkv]
             slots, heads = (head_map >= 0).nonzero(as_tuple=True)
             if not len(slots):
                 continue
             blocks = head_map[slots, heads]
-            host = table[blocks] if cache is None else cache.where[layer, blocks]
+            host = table[blocks] if cache is None else \
+                cache.where[layer, blocks.to(cache.where.device)].to(dev)
             src, dst = host[:, None] * B + arange_b, slab[slots, None] + arange_b  # [n, B]
-            kv, host_kv = self.device_kv[layer], self.host_kv[layer]
+            kv, host_kv = self.device_kv[layer], self.host_view[layer]
             kv[:, heads[:, None], dst] = host_kv[:, heads[:, None], src]
             moved += src.numel() * 2 * kv.shape[-1]
         return moved
@@ -100,11 +108,12 @@ class SlabFills:
         is dropped (a failed step or stage) reloads its active block from there intact."""
         if not decodes:
             return
-        B, active = self.cfg.block_size, self.slab.active
+        B, active, dev = self.cfg.block_size, self.slab.active, self.device_kv.device
         src = torch.tensor([int(d.slab_tokens[active]) + d.pos % B for d in decodes])
         dst = torch.tensor([self.host_block(d.seq, d.pos // B) * B + d.pos % B for d in decodes])
-        tokens = self.device_kv[:, :, :, src.to(self.device_kv.device)]  # [L, 2, Hkv, n, d]
-        self.host_kv[:, :, :, dst] = tokens.to(self.host_kv.device)
+        tokens = self.device_kv[:, :, :, upload(src, dev)]  # [L, 2, Hkv, n, d]
+        # on CUDA a device write into pinned memory: the host does not wait for it
+        self.host_view[:, :, :, upload(dst, dev)] = tokens
         self._count(d2h_bytes=tokens.numel() * tokens.element_size())
 
     def commit_token(self, seq: Sequence, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -118,8 +127,9 @@ class SlabFills:
         self.host_kv[:, 1, :, host] = v.to(self.host_kv.device)
         if seq.working_set is None:  # dropped: it reloads from the host at its next step
             if (pos + 1) % B == 0:  # the block is complete there and needs its summary
-                keys = self.host_kv[:, 0, :, host + 1 - B:host + 1]  # [L, Hkv, B, d]
-                self._summarize(torch.tensor([seq.summary_ids[block]]), keys[:, :, None])
+                keys = self.host_view[:, 0, :, host + 1 - B:host + 1]  # [L, Hkv, B, d]
+                self._summarize(upload(torch.tensor([seq.summary_ids[block]]),
+                                       self.kmin.device), keys[:, :, None])
             return
         slot = self.slab.active_token(seq.block_table, pos)
         self.device_kv[:, 0, :, slot] = k
@@ -135,10 +145,14 @@ class SlabFills:
         layers behind request A's later ones (and behind a slow fetch of those)."""
         if not fills:
             return
-        # jobs keep what they need: the request may end (and free its tables) while they run
-        step = self.step
-        args = [(d, d.seq.working_set, block, self.host_block(d.seq, block),
-                 d.seq.summary_ids[block]) for d, block in fills]
+        # jobs keep what they need: the request may end (and free its tables) while they run;
+        # what they index with goes to the device here, so that no job reads back or builds
+        # a tensor from Python data
+        step, B, dev = self.step, self.cfg.block_size, self.device_kv.device
+        args = [(d.seq.working_set, block, self.host_block(d.seq, block),
+                 upload(torch.tensor([d.seq.summary_ids[block]]), dev),
+                 d.seq.block_table[self.slab.active] * B, upload(d.slab_tokens, dev))
+                for d, block in fills]
         seqs = [d.seq for d, _ in fills]
 
         def fill(run: slice) -> None:
@@ -153,18 +167,24 @@ class SlabFills:
             self.pipeline.submit(list(range(run.start, run.stop)), f"fill step {step}",
                                  [("fill", lambda run=run: fill(run))], seqs)
 
-    def _fill(self, d: StepDecode, ws: WorkingSet, block: int, host: int, summary: int,
-              run: slice, step: int) -> None:
+    def _fill(self, ws: WorkingSet, block: int, host: int, summary: torch.Tensor, active: int,
+              slab_tokens: torch.Tensor, run: slice, step: int) -> None:
+        """One completed block in layers `run`: to the host tier (non-blocking into pinned
+        memory on CUDA), its summary, and into every head's working set (a fixed-size copy
+        of the active block into each head's chosen slot; heads that already hold it copy
+        their slot's own rows back)."""
         B = self.cfg.block_size
-        active = int(d.slab_tokens[self.slab.active])
         kv = self.device_kv[run]  # [n, 2, Hkv, slots, d]
         chunk = kv[:, :, :, active:active + B]  # [n, 2, Hkv, B, d]
-        self.host_kv[run, :, :, host * B:(host + 1) * B] = chunk
+        download(self.host_kv[run, :, :, host * B:(host + 1) * B], chunk)
         self._count(d2h_bytes=chunk.numel() * chunk.element_size())
-        self._summarize(torch.tensor([summary]), chunk[:, 0, :, None], layers=run)
-        layers, slots, heads = insert_block(ws.head_map[run], ws.last_used[run], block, step)
-        arange_b = torch.arange(B)
-        dst = d.slab_tokens[slots][:, None] + arange_b  # [m, B] (m: (layer, head)s)
-        layers, heads = layers[:, None], heads[:, None]
-        kv[layers, :, heads, dst] = kv[layers, :, heads, active + arange_b]
-
+        self._summarize(summary, chunk[:, 0, :, None], layers=run)
+        slots, new = insert_block(ws.head_map[run], ws.last_used[run], block, step)  # [n, Hkv]
+        n, _, hkv = kv.shape[:3]
+        dev = kv.device
+        dst = slab_tokens[slots][..., None] + torch.arange(B, device=dev)  # [n, Hkv, B]
+        layers = torch.arange(n, device=dev)[:, None, None]
+        heads = torch.arange(hkv, device=dev)[None, :, None]
+        old = kv[layers, :, heads, dst]  # [n, Hkv, B, 2, d]
+        kv[layers, :, heads, dst] = torch.where(new[..., None, None, None], chunk.permute(
+            0, 2, 3, 1, 4), old)

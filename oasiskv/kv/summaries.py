@@ -29,10 +29,11 @@ def round_outward(kmin: torch.Tensor, kmax: torch.Tensor,
     lo, hi = kmin.to(dtype), kmax.to(dtype)
     if torch.finfo(dtype).eps <= torch.finfo(kmin.dtype).eps:
         return lo, hi
-    lo = torch.where(lo.to(kmin.dtype) > kmin, torch.nextafter(lo, lo.new_tensor(-torch.inf)),
-                     lo)
-    hi = torch.where(hi.to(kmax.dtype) < kmax, torch.nextafter(hi, hi.new_tensor(torch.inf)),
-                     hi)
+    # full_like, not new_tensor: a tensor from Python data would be a blocking copy on CUDA
+    lo = torch.where(lo.to(kmin.dtype) > kmin,
+                     torch.nextafter(lo, torch.full_like(lo, -torch.inf)), lo)
+    hi = torch.where(hi.to(kmax.dtype) < kmax,
+                     torch.nextafter(hi, torch.full_like(hi, torch.inf)), hi)
     return lo, hi
 
 

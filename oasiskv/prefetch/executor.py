@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -33,6 +34,7 @@ class Handle:
         self._done = threading.Event()
         self.error: BaseException | None = None
         self.event = None  # CUDA: the event recorded after the stage's work
+        self.streams: StreamBackend | None = None  # CUDA: whose current stream waits for it
 
     def finish(self, error: BaseException | None = None) -> None:
         self.error = error
@@ -41,7 +43,7 @@ class Handle:
     def wait(self) -> None:
         self._done.wait()
         if self.event is not None:  # the caller's stream waits; the host does not
-            torch.cuda.current_stream().wait_event(self.event)
+            self.streams.current_stream().wait_event(self.event)
         if self.error is not None:
             raise self.error
 
@@ -145,24 +147,72 @@ class ThreadExecutor(Executor):
         self._threads = []
 
 
+class StreamBackend:
+    """What the stream executor asks of a CUDA device: streams, events, the current stream.
+    A seam, so that the executor's ordering can be tested against a simulated device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def stream(self):
+        return torch.cuda.Stream(self.device)
+
+    def event(self):
+        return torch.cuda.Event()
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def use(self, stream):
+        return torch.cuda.stream(stream)
+
+
 class CudaStreamExecutor(Executor):
-    """async on GPU: the stage's kernels go to its own stream after the events it depends on;
-    the host only enqueues (copies from pinned host memory are non-blocking), and a waiter's
-    stream waits on the stage's event."""
+    """async on GPU (paper §3.3: predict, select and transfer streams beside the compute
+    stream): each stage has its own stream. The host only enqueues: `submit` runs the
+    stage's function at once on the caller's thread with its stream current, after making
+    that stream wait for the caller's stream as it is now (the stage reads what the
+    foreground computed: a layer's queries) and for each `after` handle's event; then records
+    the stage's event, which a waiter's stream waits on (`Handle.wait`: the device waits, the
+    host does not). Nothing here reads the device back: a stage must not either (copies from
+    pinned host memory are non-blocking, `kv/transfers.py`).
+
+    Tensors a job creates on its stream or reads from another live as long as the job (its
+    function) does; the executor keeps each function until the device has run its stage
+    (its event is done), since the host is long past it by then (as record_stream would)."""
 
     kind = "async"
 
-    def __init__(self, device: torch.device) -> None:
-        self.streams = {stage: torch.cuda.Stream(device) for stage in STAGES}
+    def __init__(self, device: torch.device | None = None,
+                 backend: StreamBackend | None = None) -> None:
+        self.backend = backend or StreamBackend(device)
+        self.streams = {stage: self.backend.stream() for stage in STAGES}
+        self._inflight: deque = deque()  # (event, function) not yet run by the device
+        self._closed = False
 
     def submit(self, stage, fn, after=(), label=""):
+        if self._closed:
+            raise RuntimeError("the prefetch executor is closed")
+        b, stream = self.backend, self.streams[stage]
+        ready = b.event()  # the foreground's work so far, which the stage reads
+        ready.record(b.current_stream())
+        stream.wait_event(ready)
         handle = Handle()
-        stream = self.streams[stage]
-        with torch.cuda.stream(stream):  # after.wait() makes this stream wait on its event
+        handle.streams = b
+        with b.use(stream):  # after's waits make this stream wait on their events
             _run(stage, fn, after, handle, self.tracer, label)
-            handle.event = torch.cuda.Event()
-            handle.event.record(stream)
+        handle.event = b.event()
+        handle.event.record(stream)
+        self._inflight.append((handle.event, fn))
+        while self._inflight and self._inflight[0][0].query():  # run: nothing to keep
+            self._inflight.popleft()
         return handle
+
+    def close(self) -> None:
+        for event, _ in self._inflight:
+            event.synchronize()
+        self._inflight.clear()
+        self._closed = True
 
 
 def make_executor(mode: str, device: torch.device) -> Executor:

@@ -4,6 +4,7 @@ that prefetch jobs count into from worker threads."""
 import threading
 
 import pytest
+import torch
 
 from oasiskv.kv.counters import CounterTally, SparseCounters
 
@@ -33,3 +34,14 @@ def test_the_tally_counts_from_threads_and_starts_again_when_taken():
 def test_an_unknown_counter_is_an_error():
     with pytest.raises(AttributeError):
         CounterTally().count(hitz=1)
+
+
+def test_device_counts_are_read_back_when_taken():
+    """Jobs count 0-d tensors (no read-back in a stage); take sums them as Python numbers."""
+    tally = CounterTally()
+    tally.count(hits=torch.tensor(3), h2d_bytes=5)
+    tally.count(hits=torch.tensor(4), admitted=torch.tensor(2))
+    got = tally.take()
+    assert got == SparseCounters(hits=7, admitted=2, h2d_bytes=5)
+    assert type(got.hits) is int and type(got.admitted) is int
+    assert tally.take() == SparseCounters()

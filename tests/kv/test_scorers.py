@@ -27,7 +27,7 @@ def job(kv, picks, lengths) -> SimpleNamespace:
     ids = torch.stack([torch.nn.functional.pad(d.summary_ids, (0, n - len(d.summary_ids)))
                        for d, _ in picks])
     return SimpleNamespace(kv=kv, layers=[0], run=slice(0, 1), picks=picks,
-                           lengths=torch.tensor(lengths), ids=ids)
+                           lengths=torch.tensor(lengths), ids=ids, scales=torch.tensor([1.0]))
 
 
 def decode(ids: list[int], start: int | None) -> SimpleNamespace:
@@ -68,7 +68,7 @@ def host_kv() -> torch.Tensor:
 
 def test_attention_mass_by_hand():
     """q = 1, scale 1: softmax weights 1, 1, 2, 2 over 6 -> block masses 1/3, 2/3."""
-    kv = SimpleNamespace(host_kv=host_kv(), scales=[1.0], cfg=SimpleNamespace(block_size=2))
+    kv = SimpleNamespace(host_view=host_kv(), scales=[1.0], cfg=SimpleNamespace(block_size=2))
     got = AttentionMass().score(job(kv, [(decode([0, 1], 0), torch.ones(1, 1, 1))], [2]),
                                 None)
     torch.testing.assert_close(got, torch.tensor([[[[1 / 3, 2 / 3]]]]))
@@ -78,7 +78,7 @@ def test_attention_mass_by_hand():
 def test_rerank_by_hand(candidates, want):
     """The previous stage ranks block 0 first (5 > 1). One candidate: block 0 takes all of
     the mass among the candidates; both: the attention masses above."""
-    kv = SimpleNamespace(host_kv=host_kv(), scales=[1.0], key_codes=None,
+    kv = SimpleNamespace(host_view=host_kv(), scales=[1.0], key_codes=None,
                          cfg=SimpleNamespace(block_size=2))
     prior = torch.tensor([[[[5.0, 1.0]]]])
     got = Rerank(candidates).score(job(kv, [(decode([0, 1], 0), torch.ones(1, 1, 1))], [2]),

@@ -166,8 +166,9 @@ def test_batched_selection_equals_per_head_reference(data):
             for r in range(requests)]
     sel = select_capped_lru_batch(head_map, last_used, predicted, caps, step=9)
     assert torch.equal(head_map, want_map) and torch.equal(last_used, want_used)
-    got = list(zip(sel.requests.tolist(), sel.heads.tolist(), sel.slots.tolist(),
-                   sel.blocks.tolist(), strict=True))
+    m = sel.admitted  # fixed-size candidates; the admitted ones entered
+    got = list(zip(sel.requests[m].tolist(), sel.heads[m].tolist(), sel.slots[m].tolist(),
+                   sel.blocks[m].tolist(), strict=True))
     assert sorted(got) == sorted((r, *a) for r, adm in enumerate(want) for a in adm)
 
 
@@ -177,14 +178,17 @@ def test_insert_block_over_layers_equals_layer_by_layer():
     head_map[0, 1, 0] = 7  # this head already holds the block: it stays where it is
     last_used = torch.randint(0, 9, (3, 4, 2), generator=gen)
     maps, used = head_map.clone(), last_used.clone()
-    layers, slots, heads = insert_block(head_map, last_used, 7, step=10)
-    expected = []
+    before = head_map.clone()
+    slots, new = insert_block(head_map, last_used, 7, step=10)  # [L, Hkv] each
     for layer in range(3):
-        s, h = insert_block(maps[layer], used[layer], 7, step=10)
-        expected += [(layer, int(a), int(b)) for a, b in zip(s, h, strict=True)]
-    assert list(zip(layers.tolist(), slots.tolist(), heads.tolist(), strict=True)) == expected
+        s, n = insert_block(maps[layer], used[layer], 7, step=10)
+        assert torch.equal(s, slots[layer]) and torch.equal(n, new[layer])
     assert torch.equal(head_map, maps) and torch.equal(last_used, used)
-    assert len(expected) == 5 and (head_map == 7).sum(1).eq(1).all()
+    assert int(new.sum()) == 5 and (head_map == 7).sum(1).eq(1).all()
+    # the heads that entered it hold it at the returned slot; the one that held it is as it was
+    layer, head = new.nonzero(as_tuple=True)
+    assert (head_map[layer, slots[layer, head], head] == 7).all()
+    assert not new[0, 0] and torch.equal(head_map[0, :, 0], before[0, :, 0])
 
 
 def test_a_filled_block_displaces_the_lowest_ranked_pick_of_the_step():

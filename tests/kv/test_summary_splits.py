@@ -113,9 +113,12 @@ def test_quest_bound_scores_each_requests_own_sub_blocks(aggregation, layout):
                else torch.randperm(ids_total)[:m] if r else torch.tensor([30, 1, 7, 25, 12]))
         d_ = SimpleNamespace(summary_ids=ids, summary_start=start)
         picks.append((d_, torch.randn(layers, hkv * GROUP, d) * 2))
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)  # the job's padded ids
+    for r, (d_, _) in enumerate(picks):
+        ids[r, :len(d_.summary_ids)] = d_.summary_ids
     job = SimpleNamespace(layers=[0, 1], run=slice(0, 2), picks=picks,
-                          lengths=torch.tensor(lengths),
-                          ids=torch.zeros(len(lengths), max(lengths), dtype=torch.long))
+                          lengths=torch.tensor(lengths), ids=ids,
+                          scales=torch.tensor([0.3, 0.5]))
     job.kv = SimpleNamespace(
         kmin=kmin, kmax=kmax, scales=[0.3, 0.5],
         cfg=SimpleNamespace(summary_splits=splits, score_alpha=1.0,
