@@ -13,6 +13,7 @@ from oasiskv.kv.select import insert_block
 from oasiskv.kv.slab import Slab
 from oasiskv.kv.transfers import download, upload
 from oasiskv.kv.working_set import StepDecode, WorkingSet
+from oasiskv.layers.block_gather import gather_block_heads
 from oasiskv.sequence import Sequence
 
 
@@ -76,23 +77,17 @@ class SlabFills:
         """Each layer's working-set blocks from the host into their (slot, head); returns the
         elements moved."""
         # (foreground, once per request: the host may read the head maps here)
-        dev = self.device_kv.device
-        B, arange_b, moved = self.cfg.block_size, torch.arange(self.cfg.block_size, device=dev), 0
-        cache = seq.host_cache
-        table = upload(torch.tensor(seq.host_table, dtype=torch.long), dev)
-        slab = upload(slab, dev)
-        for layer, head_map in enumerate(seq.working_set.head_map):  # [K, Hkv]
-            slots, heads = (head_map >= 0).nonzero(as_tuple=True)
-            if not len(slots):
-                continue
-            blocks = head_map[slots, heads]
-            host = table[blocks] if cache is None else \
-                cache.where[layer, blocks.to(cache.where.device)].to(dev)
-            src, dst = host[:, None] * B + arange_b, slab[slots, None] + arange_b  # [n, B]
-            kv, host_kv = self.device_kv[layer], self.host_view[layer]
-            kv[:, heads[:, None], dst] = host_kv[:, heads[:, None], src]
-            moved += src.numel() * 2 * kv.shape[-1]
-        return moved
+        B, cache, dev = self.cfg.block_size, seq.host_cache, self.device_kv.device
+        head_map = seq.working_set.head_map  # [L, K, Hkv]
+        layers, slots, heads = (head_map >= 0).nonzero(as_tuple=True)
+        blocks = head_map[layers, slots, heads]
+        host = torch.tensor(seq.host_table, dtype=torch.long, device=blocks.device)[blocks] \
+            if cache is None else cache.where[layers.to(cache.where.device),
+                                              blocks.to(cache.where.device)]
+        # one gather for every layer (a Triton launch on CUDA, layers/block_gather.py)
+        gather_block_heads(self.device_kv, self.host_view, layers, heads, host.to(dev) * B,
+                           upload(slab, dev)[slots.to(dev)], B)
+        return len(layers) * B * 2 * self.device_kv.shape[-1]
 
     @staticmethod
     def host_block(seq: Sequence, block: int) -> int:

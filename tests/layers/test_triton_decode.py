@@ -21,6 +21,7 @@ from test_decode_kernel import (
     layout,
     run,
 )
+from triton_interp import triton_interpreter  # noqa: F401 (the fixture)
 
 from oasiskv.context import SeqAttention
 from oasiskv.layers import triton_attention, triton_kernels
@@ -38,7 +39,7 @@ class TritonAttention(Attention):
 
 
 @pytest.fixture(autouse=True)
-def interpreted(triton_interpreter, monkeypatch):
+def interpreted(triton_interpreter, monkeypatch):  # noqa: F811 (the imported fixture)
     monkeypatch.delenv(triton_kernels.ENV, raising=False)
 
 

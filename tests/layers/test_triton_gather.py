@@ -7,6 +7,7 @@ import importlib
 
 import pytest
 import torch
+from triton_interp import triton_interpreter  # noqa: F401 (the fixture)
 
 from oasiskv.layers import block_gather
 
@@ -14,7 +15,7 @@ L, HKV = 3, 2
 
 
 @pytest.fixture(autouse=True)
-def interpreted(triton_interpreter, monkeypatch):
+def interpreted(triton_interpreter, monkeypatch):  # noqa: F811 (the imported fixture)
     monkeypatch.delenv("OASISKV_CUDA_ATTENTION", raising=False)
 
 

@@ -1,6 +1,6 @@
 """The Triton kernels' tests (tests/layers/test_triton_*.py), run in a child process with
-TRITON_INTERPRET=1 set from its start (see `triton_interpreter` in conftest.py): on CPU tensors,
-against their PyTorch references."""
+TRITON_INTERPRET=1 set from its start (see `triton_interpreter` in triton_interp.py): on CPU
+tensors, against their PyTorch references."""
 
 import os
 import subprocess

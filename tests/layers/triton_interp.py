@@ -1,4 +1,6 @@
-"""Triton's interpreter for the kernel tests (tests/layers/test_triton_*.py) only."""
+"""Triton's interpreter for the kernel tests (tests/layers/test_triton_*.py) only: a fixture
+they import (a conftest.py here would shadow tests/conftest.py, which other tests import as
+`conftest`)."""
 
 from __future__ import annotations
 
