@@ -29,9 +29,6 @@ def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     return x.numel() * 4 / best
 
 
-DENSE_MAX = "dense-max"  # --concurrency level: the most requests dense holds at that context
-
-
 def dense_capacity(config: EngineConfig, kv_per_token: int, context: int,
                    output_len: int) -> int:
     """Requests of `context` + `output_len` tokens whose whole K/V fits the device budget at
@@ -40,20 +37,6 @@ def dense_capacity(config: EngineConfig, kv_per_token: int, context: int,
     block = config.cache.block_size
     blocks = config.cache.device_kv_budget // (kv_per_token * block)
     return blocks // -(-(context + output_len) // block)
-
-
-def parse_levels(text: str) -> list[int | str]:
-    """"1,4,dense-max" -> [1, 4, "dense-max"]."""
-    levels = [x.strip() for x in str(text).split(",") if x.strip()]
-    bad = [x for x in levels if x != DENSE_MAX and not (x.isdigit() and int(x) > 0)]
-    if bad or not levels:
-        raise ValueError(f"--concurrency takes positive integers and {DENSE_MAX}, got {text!r}")
-    return [x if x == DENSE_MAX else int(x) for x in levels]
-
-
-def resolve_levels(levels: list[int | str], capacity: int) -> list[int]:
-    """One context's levels, dense-max resolved to `capacity`, ascending, without repeats."""
-    return sorted({capacity if x == DENSE_MAX else x for x in levels})
 
 
 def auto_host_budget(requests: int, context: int, output_len: int, block: int,

@@ -15,7 +15,6 @@ intervals of the difference (ratio) to dense.
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 import sys
 import tempfile
@@ -27,15 +26,9 @@ import torch
 from safetensors.torch import load
 from tqdm.auto import tqdm
 
-from oasiskv.bench.batch_runs import (
-    DENSE_MAX,
-    auto_host_budget,
-    dense_capacity,
-    median_run,
-    parse_levels,
-    run_mode,
-)
+from oasiskv.bench.batch_runs import auto_host_budget, dense_capacity, median_run, run_mode
 from oasiskv.bench.common import agreement, prefix_kv_files, unique_prompts
+from oasiskv.bench.levels import DENSE_MAX, parse_concurrency, relative, resolve
 from oasiskv.bench.pareto_plot import plot
 from oasiskv.bench.sparse_options import DEFAULT, parse_settings
 from oasiskv.config import EngineConfig, SpecConfig
@@ -44,37 +37,6 @@ from oasiskv.eval.fidelity import make_samples, run_samples, summarize
 from oasiskv.eval.metrics import paired_bootstrap_ci
 from oasiskv.eval.settings import setting_engines
 from oasiskv.report import machine, markdown_table, save_json
-
-MULTIPLE = re.compile(r"(\d+(?:\.\d+)?)x")  # a --concurrency level: a multiple of dense-max
-
-
-def parse_concurrency(text: str) -> list[int | str]:
-    """"dense-max,2x,8" -> ["dense-max", "2x", 8]: throughput's levels and multiples of
-    dense-max."""
-    items = [x.strip() for x in str(text).split(",") if x.strip()]
-    bad = [x for x in items if MULTIPLE.fullmatch(x) and float(x[:-1]) <= 0]
-    rest = [x for x in items if not MULTIPLE.fullmatch(x)]
-    try:
-        levels = parse_levels(",".join(rest)) if rest else []
-    except ValueError:
-        bad.append(text)
-    if bad or not items:
-        raise ValueError(f"--concurrency takes positive integers, {DENSE_MAX} and multiples of "
-                         f"it such as 2x, got {text!r}")
-    return [x if MULTIPLE.fullmatch(x) else levels.pop(0) for x in items]
-
-
-def resolve(levels: list[int | str], capacity: int) -> dict[int, str]:
-    """Requests per level -> its label (dense-max, 2x, or ""), ascending."""
-    out: dict[int, str] = {}
-    for x in levels:
-        if x == DENSE_MAX:
-            out[capacity] = DENSE_MAX
-        elif isinstance(x, str):
-            out.setdefault(max(1, round(float(x[:-1]) * capacity)), x)
-        else:
-            out.setdefault(x, "")
-    return dict(sorted(out.items()))
 
 
 def command(args: argparse.Namespace) -> str:
@@ -175,7 +137,7 @@ def run_pareto_bench(args: argparse.Namespace) -> list[dict]:
         base["num_threads"] = args.num_threads
     capacity = dense_capacity(EngineConfig.from_kwargs(**base), kv_per_token, args.context,
                               args.output_len)
-    if capacity == 0 and any(isinstance(x, str) for x in levels):
+    if capacity == 0 and relative(levels):
         raise ValueError(f"--device-kv-budget {args.device_kv_budget} holds no dense request "
                          f"of {args.context} + {args.output_len} tokens, so {DENSE_MAX} is 0")
     level_of = resolve(levels, capacity)

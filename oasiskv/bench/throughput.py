@@ -10,7 +10,8 @@ request needs one K+2-block slab. Reported per row: TPS (output tokens / wall ti
 arrival to the last token), mean TPOT and TTFT, the mean running batch (requests decoding
 per step), preemptions, and the sparse/dense ratios. The level `dense-max` is, per context,
 the most requests whose whole K/V (prompt + output) fits the budget at once: the largest
-concurrency dense can hold, where the paper compares. With --repeats R every mode (and peer)
+concurrency dense can hold, where the paper compares; `2x` is twice it (a row's level labels
+it). With --repeats R every mode (and peer)
 runs R times, one after another in rounds, and the row is its median-TPS run: the machine's
 slow minutes then fall on every mode alike. The roofline column is the time a step
 would take if it only read the bytes it must (weights + the resident KV of the running batch)
@@ -32,17 +33,15 @@ from pathlib import Path
 import torch
 
 from oasiskv.bench.batch_runs import (
-    DENSE_MAX,
     auto_host_budget,
     dense_capacity,
     median_run,
-    parse_levels,
     read_bandwidth,
-    resolve_levels,
     run_mode,
 )
 from oasiskv.bench.breakdown import breakdown_columns, breakdown_run, check_steps
 from oasiskv.bench.common import agreement, prefix_kv_files, print_model_note, unique_prompts
+from oasiskv.bench.levels import DENSE_MAX, parse_concurrency, relative, resolve
 from oasiskv.bench.peers import ChildCrashed, RestartingPeer, hf_from_prefix, load_hf, parse_peers
 from oasiskv.bench.prefill_ttft import COLUMNS as TTFT_COLUMNS
 from oasiskv.bench.prefill_ttft import engines_for, ttft_rows
@@ -67,9 +66,9 @@ def step_bytes(mode: str, running: float, context: int, kv_per_token: int, weigh
     return weights + running * per_request * kv_per_token
 
 
-COLUMNS = [("context", "context"), ("concurrency", "conc"), ("mode", "mode"), ("f_hbm", "f_hbm"),
-           ("tps", "TPS"), ("tps_range", "TPS runs"), ("tps_ratio", "TPS / dense"),
-           ("ratio_rounds", "each round"), ("vs_hf", "sparse/HF"),
+COLUMNS = [("context", "context"), ("concurrency", "conc"), ("level", "level"), ("mode", "mode"),
+           ("f_hbm", "f_hbm"), ("tps", "TPS"), ("tps_range", "TPS runs"),
+           ("tps_ratio", "TPS / dense"), ("ratio_rounds", "each round"), ("vs_hf", "sparse/HF"),
            ("vs_llamacpp", "sparse/llama.cpp"), ("agreement", "agree"),
            ("tpot_ms", "TPOT ms"), ("ttft_s", "TTFT s"), ("running", "running"),
            ("preemptions", "preempt"), ("step_ms", "step ms"), ("roofline_ms", "roofline ms"),
@@ -136,7 +135,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     print_model_note(args.model)
-    contexts, levels = parse_list(args.context), parse_levels(args.concurrency)
+    contexts, levels = parse_list(args.context), parse_concurrency(args.concurrency)
     profiled = check_steps(args.breakdown)
     modes, f_hbms = parse_list(args.kv_mode, str), parse_list(args.f_hbm, str)
     peers = parse_peers(args.peer, args.model)
@@ -155,11 +154,11 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
     dense_config = EngineConfig.from_kwargs(**base, kv_mode="dense")
     capacity = {c: dense_capacity(dense_config, kv_per_token, c, args.output_len)
                 for c in contexts}
-    if DENSE_MAX in levels and min(capacity.values()) == 0:
+    if relative(levels) and min(capacity.values()) == 0:
         context = min(capacity, key=capacity.get)
         raise ValueError(f"--device-kv-budget {args.device_kv_budget} holds no dense request of "
                          f"{context} + {args.output_len} tokens, so {DENSE_MAX} is 0")
-    context_levels = {c: resolve_levels(levels, capacity[c]) for c in contexts}
+    context_levels = {c: resolve(levels, capacity[c]) for c in contexts}  # count -> label
     base["max_num_seqs"] = max(max(v) for v in context_levels.values())
     if host_budget == "auto":
         host_budget = max(auto_host_budget(max(context_levels[c]), c, args.output_len,
@@ -195,7 +194,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
             # llama.cpp in a child process: a crash fails its row of that level, nothing else
             llamacpp = RestartingPeer(gguf, prompts, args.output_len, torch.get_num_threads(),
                                       cache_dir) if "llamacpp" in peers else None
-            for c in context_levels[context]:
+            for c, label in context_levels[context].items():
                 tries: dict[tuple[str, str | None], list[dict]] = {}
                 failed: dict[str, str] = {}  # mode -> its error at this level
                 for _ in range(args.repeats):  # every mode once per round, in turn
@@ -218,7 +217,7 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                 level = [median_run(t) for (mode, _), t in tries.items() if mode not in failed]
                 by_mode = {r["mode"]: r for r in level}  # dense and peers (sparse: its last f_hbm)
                 for r in level:
-                    r.update(context=context, concurrency=c, text=source,
+                    r.update(context=context, concurrency=c, level=label, text=source,
                              dense_capacity=capacity[context])
                     mode_weights, mode_kv = reads.get(r["mode"], (weights, kv_per_token))
                     r["roofline_ms"] = 1e3 * step_bytes(r["mode"], r["running"], context,
@@ -243,8 +242,8 @@ def run_throughput_bench(args: argparse.Namespace) -> list[dict]:
                     row.update(breakdown_run({**base, **kw}, prompts[:c], files[:c],
                                              args.output_len, profiled))
                 rows += [{k: v for k, v in r.items() if k != "tokens"} for r in level]
-                rows += [{"context": context, "concurrency": c, "mode": mode, "error": error,
-                          "text": source, "dense_capacity": capacity[context]}
+                rows += [{"context": context, "concurrency": c, "level": label, "mode": mode,
+                          "error": error, "text": source, "dense_capacity": capacity[context]}
                          for mode, error in failed.items()]
             if args.ttft:  # the prefill half: each engine's TTFT of the first prompt, from scratch
                 first: dict[str, dict] = {}
@@ -325,7 +324,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,2,4,8,16,32,dense-max",
                    help="requests arriving at once (the same first prompts at every level); "
                    "dense-max: per context, the most requests whose whole K/V fits the "
-                   "device budget (the largest concurrency dense can hold)")
+                   "device budget (the largest concurrency dense can hold); multiples of it "
+                   "(2x, 0.5x: at least 1)")
     p.add_argument("--device-kv-budget", default="1GiB")
     p.add_argument("--host-kv-budget", default="auto",
                    help="sparse: host tier bytes; auto: what the largest level's requests hold")

@@ -1,15 +1,12 @@
 """The batch-run machinery of `bench throughput` and `bench pareto` (`bench/batch_runs.py`):
-levels, capacities, budgets and medians against hand-computed values."""
+capacities, budgets and medians against hand-computed values."""
 
 import pytest
 
 from oasiskv.bench.batch_runs import (
-    DENSE_MAX,
     auto_host_budget,
     dense_capacity,
     median_run,
-    parse_levels,
-    resolve_levels,
     token_gap_percentiles,
 )
 from oasiskv.config import EngineConfig
@@ -22,14 +19,6 @@ def test_token_gap_percentiles_by_hand():
     assert p50 == pytest.approx(1500) and p99 == pytest.approx(2970)
     assert token_gap_percentiles([[1.0], []]) == (None, None)
 
-
-
-def test_levels_parse_and_resolve():
-    assert parse_levels(" 1,4, dense-max") == [1, 4, DENSE_MAX]
-    for bad in ("", "0", "-2", "two", "1,dense"):
-        with pytest.raises(ValueError, match="--concurrency takes positive integers"):
-            parse_levels(bad)
-    assert resolve_levels([8, DENSE_MAX, 1, 3], 3) == [1, 3, 8]  # dense-max = 3, once
 
 
 def test_dense_capacity_is_whole_requests_of_the_block_pool():

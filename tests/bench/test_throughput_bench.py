@@ -83,13 +83,38 @@ def test_dense_max_is_the_most_requests_dense_holds(tmp_path, capsys):
 
 def test_bad_concurrency_levels_fail_first(tmp_path, capsys):
     model = build_model_dir(tmp_path / "m", num_hidden_layers=2, max_position_embeddings=1024)
-    assert main(["bench", "throughput", "--model", str(model), "--concurrency", "2,0"]) == 2
-    assert "--concurrency takes positive integers and dense-max, got '2,0'" in (
-        capsys.readouterr().err)
+    capsys.readouterr()  # (the model's saving progress)
+    for bad in ("2,0", "0x", "dense-max,x2"):
+        assert main(["bench", "throughput", "--model", str(model), "--concurrency", bad]) == 2
+        err = capsys.readouterr().err
+        assert (f"--concurrency takes positive integers, dense-max and multiples of it such as "
+                f"2x, got {bad!r}" in err and err.count("\n") == 1)  # one line, no traceback
+    for levels in ("dense-max", "2x"):  # a multiple of nothing is refused as dense-max is
+        assert main(["bench", "throughput", "--model", str(model), "--context", "300",
+                     "--concurrency", levels, "--device-kv-budget", "128KiB"]) == 2
+        err = capsys.readouterr().err
+        assert "--device-kv-budget 128KiB holds no dense request of 300 + 64 tokens" in err
+        assert err.count("\n") == 1
+
+
+def test_multiples_of_dense_max_are_levels_labelled_in_the_rows_and_table(tmp_path, capsys):
+    model = build_model_dir(tmp_path / "m", num_hidden_layers=2, max_position_embeddings=1024)
+    out = tmp_path / "t.json"
+    # as above: dense holds 2 requests of 300 + 4 tokens under 320KiB, so 2x is 4 requests
     assert main(["bench", "throughput", "--model", str(model), "--context", "300",
-                 "--concurrency", "dense-max", "--device-kv-budget", "128KiB"]) == 2
-    assert "--device-kv-budget 128KiB holds no dense request of 300 + 64 tokens" in (
-        capsys.readouterr().err)
+                 "--concurrency", "dense-max,2x", "--output-len", "4", "--device-kv-budget",
+                 "320KiB", "--top-k", "2", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["concurrency"], r["level"], r["mode"]) for r in rows] == [
+        (2, "dense-max", "dense"), (2, "dense-max", "sparse"), (4, "2x", "dense"),
+        (4, "2x", "sparse")]
+    for r in rows:  # every request of the level ran: its 4 tokens each
+        assert round(r["tps"] * r["wall_s"]) == 4 * r["concurrency"] and r["failed"] == 0
+    by = {(r["level"], r["mode"]): r for r in rows}
+    assert by["2x", "dense"]["running_max"] == 2  # dense holds dense-max at once, no more
+    assert by["2x", "sparse"]["running_max"] == 4  # sparse's slabs hold all four
+    assert "| level |" in printed and "| 4 | 2x | dense |" in printed
 
 
 def test_prompt_kv_is_cached_across_runs(tmp_path):

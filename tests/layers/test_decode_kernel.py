@@ -60,10 +60,11 @@ def threads(request, monkeypatch):
 
 
 def layers(hkv: int, group: int, dtype: torch.dtype, g: torch.Generator, cls=Attention,
-           d: int = D):
-    """The kernel's layer and the reference over the same random pools."""
-    pools = {"device": (torch.randn(hkv, SLOTS, d, generator=g).to(dtype),
-                        torch.randn(hkv, SLOTS, d, generator=g).to(dtype))}
+           d: int = D, device: str | torch.device = "cpu"):
+    """The kernel's layer and the reference over the same random pools (drawn on the CPU, then
+    moved to `device`: the same values on every device)."""
+    pools = {"device": (torch.randn(hkv, SLOTS, d, generator=g).to(device, dtype),
+                        torch.randn(hkv, SLOTS, d, generator=g).to(device, dtype))}
     new = cls(hkv * group, hkv, d, d ** -0.5)
     ref = ReferenceAttention(hkv * group, hkv, d, d ** -0.5)
     new.pools = ref.pools = pools
@@ -131,31 +132,34 @@ def test_decode_equals_reference_and_brute_force(ext, dtype, hkv, group, kind, m
                                      valid), dtype)
 
 
-def drafts_case(dtype, group, kind, masks, g, hkv=2, t=45, m=3, d=D):
-    """One request with m drafts; the truth row by row (a draft's own K/V one more slot)."""
-    new, ref = layers(hkv, group, dtype, g, d=d)
+def drafts_case(dtype, group, kind, masks, g, hkv=2, t=45, m=3, d=D, device="cpu"):
+    """One request with m drafts; the truth row by row (a draft's own K/V one more slot).
+    Drawn on the CPU, the tensors then on `device`."""
+    new, ref = layers(hkv, group, dtype, g, d=d, device=device)
     fields, slots = layout(kind, t, 100)
     valid = draft_valid = None
     if masks != "none":
         valid = torch.rand(hkv, t, generator=g) > 0.4
         valid[:, 0] = True
+        valid = valid.to(device)
     if masks == "own":
         draft_valid = torch.rand(hkv, t, generator=g) > 0.4
         draft_valid[:, 0] = True
+        draft_valid = draft_valid.to(device)
     seq = SeqAttention(0, 1, t, kv_slots=None, kv_valid=valid,
                        draft_rows=list(range(1, 1 + m)), draft_valid=draft_valid, **fields)
-    q = torch.randn(1 + m, hkv * group, d, generator=g).to(dtype)
-    k, v = (torch.randn(1 + m, hkv, d, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(1 + m, hkv * group, d, generator=g).to(device, dtype)
+    k, v = (torch.randn(1 + m, hkv, d, generator=g).to(device, dtype) for _ in range(2))
     kc, vc = new.pools["device"]
     truths = []
     for row in range(1 + m):
         mask = valid if row == 0 or draft_valid is None else draft_valid
         keys, values = kc[:, slots].float(), vc[:, slots].float()
-        mask = torch.ones(hkv, t, dtype=torch.bool) if mask is None else mask
+        mask = torch.ones(hkv, t, dtype=torch.bool, device=kc.device) if mask is None else mask
         if row:  # its own K/V as one more slot
             keys = torch.cat([keys, k[row, :, None].float()], 1)
             values = torch.cat([values, v[row, :, None].float()], 1)
-            mask = torch.cat([mask, torch.ones(hkv, 1, dtype=torch.bool)], 1)
+            mask = torch.cat([mask, torch.ones(hkv, 1, dtype=torch.bool, device=kc.device)], 1)
         truths.append(brute(q[row].float(), keys, values, mask))
     return new, ref, (q, k, v, [seq]), truths
 

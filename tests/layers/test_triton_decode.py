@@ -1,10 +1,11 @@
 """The Triton decode-attention kernel (`layers/triton_kernels/decode.py`, planned by
-`layers/triton_attention.py`, through `Attention.forward` as on CUDA), run on the CPU by
-Triton's interpreter, equals the previous implementation (`layers/attention_ref.py`) and a
-brute-force float64 attention over expanded K/V: dense (one run, runs out of order), sparse
-masks, draft rows (masks shared or their own), sparse slabs with their drafts in the draft
-slots, GQA groups of 1, 3 and 7, odd lengths, fp32 and bf16, whole and split over the sequence
-(log-sum-exp merge); and the dispatch: CUDA only, OASISKV_CUDA_ATTENTION, no triton."""
+`layers/triton_attention.py`, through `Attention.forward` as on CUDA), compiled on CUDA tensors
+when OASISKV_TEST_DEVICE is cuda, else run on the CPU by Triton's interpreter, equals the
+previous implementation (`layers/attention_ref.py`) and a brute-force float64 attention over
+expanded K/V: dense (one run, runs out of order), sparse masks, draft rows (masks shared or
+their own), sparse slabs with their drafts in the draft slots, GQA groups of 1, 3 and 7, odd
+lengths, fp32 and bf16, whole and split over the sequence (log-sum-exp merge); and the
+dispatch: CUDA only, OASISKV_CUDA_ATTENTION, no triton."""
 
 import sys
 import warnings
@@ -21,7 +22,7 @@ from test_decode_kernel import (
     layout,
     run,
 )
-from triton_interp import triton_interpreter  # noqa: F401 (the fixture)
+from triton_interp import triton_device  # noqa: F401 (the fixture)
 
 from oasiskv.context import SeqAttention
 from oasiskv.layers import triton_attention, triton_kernels
@@ -31,16 +32,33 @@ D = 16
 
 
 class TritonAttention(Attention):
-    """`Attention` as it is on CUDA, its decodes through the Triton kernel (here on CPU
-    tensors, interpreted)."""
+    """`Attention` as it is on CUDA, its decodes through the Triton kernel (on CPU tensors:
+    interpreted)."""
 
     def _triton(self, q: torch.Tensor):
         return triton_kernels.load("decode")
 
 
 @pytest.fixture(autouse=True)
-def interpreted(triton_interpreter, monkeypatch):  # noqa: F811 (the imported fixture)
+def on_device(triton_device, monkeypatch):  # noqa: F811 (the imported fixture)
+    """The tests' device (`triton_device`)."""
     monkeypatch.delenv(triton_kernels.ENV, raising=False)
+    return triton_device
+
+
+def close_to_truth_here(got: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype,
+                        values: list[torch.Tensor]) -> None:
+    """`close_to_truth`, but for bf16 compiled on CUDA: there the kernel multiplies bf16 as the
+    GPU does (decode.py's DOT): the scores exactly (bf16 products, fp32 sums), but each
+    probability rounded to bf16 (relative error at most 2^-9) before it weighs its value, and
+    the sum of weights taken unrounded, so the output may be off by 2^-9 x the largest |value|
+    it weighs, beside its own rounding to bf16 (half an ulp: rtol 2^-8 covers it). Under the
+    interpreter (the CPU) the products are fp32 and the bound of `close_to_truth` holds."""
+    if got.is_cuda and dtype == torch.bfloat16:
+        vmax = max(float(x.abs().max()) for x in values)
+        torch.testing.assert_close(got.double(), truth, atol=2**-9 * vmax + 1e-5, rtol=2**-8)
+    else:
+        close_to_truth(got, truth, dtype)
 
 
 @pytest.fixture(params=[None, 11], ids=["whole", "split"])
@@ -55,9 +73,10 @@ def chunk(request, monkeypatch):
 @pytest.mark.parametrize("hkv,group", [(2, 1), (3, 3), (1, 7)])
 @pytest.mark.parametrize("kind", ["one run", "runs"])
 @pytest.mark.parametrize("masked", [False, True])
-def test_decode_equals_reference_and_brute_force(dtype, hkv, group, kind, masked, chunk):
+def test_decode_equals_reference_and_brute_force(dtype, hkv, group, kind, masked, chunk,
+                                                 on_device):
     g = torch.Generator().manual_seed(hkv * 10 + group)
-    new, ref = layers(hkv, group, dtype, g, TritonAttention)
+    new, ref = layers(hkv, group, dtype, g, TritonAttention, device=on_device)
     seqs, visible, first = [], [], 0
     for r, t in enumerate([2, 7, 37, 53]):  # odd lengths, one request each
         fields, slots = layout(kind, t, first)
@@ -66,49 +85,53 @@ def test_decode_equals_reference_and_brute_force(dtype, hkv, group, kind, masked
         if masked:
             valid = torch.rand(hkv, t, generator=g) > 0.4
             valid[:, -1] = True  # every head sees something
+            valid = valid.to(on_device)
         seqs.append(SeqAttention(r, r + 1, t, kv_slots=None, kv_valid=valid, **fields))
         visible.append((slots, valid))
-    q = torch.randn(len(seqs), hkv * group, D, generator=g).to(dtype)
-    k, v = (torch.randn(len(seqs), hkv, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(len(seqs), hkv * group, D, generator=g).to(on_device, dtype)
+    k, v = (torch.randn(len(seqs), hkv, D, generator=g).to(on_device, dtype) for _ in range(2))
     got, want = run(new, q, k, v, seqs), run(ref, q, k, v, seqs)
     close_to_reference(got, want, dtype)
     kc, vc = new.pools["device"]
     for r, (slots, valid) in enumerate(visible):
-        close_to_truth(got[r], brute(q[r].float(), kc[:, slots].float(), vc[:, slots].float(),
-                                     valid), dtype)
+        close_to_truth_here(got[r], brute(q[r].float(), kc[:, slots].float(),
+                                          vc[:, slots].float(), valid), dtype, [vc[:, slots]])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 7])
 @pytest.mark.parametrize("masks", ["none", "shared", "own"])
-def test_draft_rows_equal_reference_and_brute_force(dtype, group, masks, chunk):
+def test_draft_rows_equal_reference_and_brute_force(dtype, group, masks, chunk, on_device):
     """Each draft sees the KV (under the drafts' mask) and its own K/V; the normal row the KV
     (over three runs out of order: the units cut them and keep the masks' positions)."""
     g = torch.Generator().manual_seed(group)
-    new, ref, inputs, truths = drafts_case(dtype, group, "runs", masks, g)
+    new, ref, inputs, truths = drafts_case(dtype, group, "runs", masks, g, device=on_device)
     new = _as_triton(new)
     got = run(new, *inputs)
     close_to_reference(got, run(ref, *inputs), dtype)
+    values = [new.pools["device"][1], inputs[2]]  # the pool's and the drafts' own
     for row, truth in enumerate(truths):
-        close_to_truth(got[row], truth, dtype)
+        close_to_truth_here(got[row], truth, dtype, values)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 7])
 @pytest.mark.parametrize("drafts", [0, 2])
-def test_slabs_equal_reference_and_brute_force(dtype, group, drafts, chunk):
+def test_slabs_equal_reference_and_brute_force(dtype, group, drafts, chunk, on_device):
     """Sparse slabs, their drafts' K/V in the draft slots as the runner leaves them (the kernel
     reads a draft's own K/V from its row of the step's k/v: the same values)."""
     hkv, t, slots = 2, 37, 4
     g = torch.Generator().manual_seed(drafts * 10 + group)
-    new, ref = layers(hkv, group, dtype, g, TritonAttention)
+    new, ref = layers(hkv, group, dtype, g, TritonAttention, device=on_device)
     starts, n = SLAB_LAYOUTS["apart"], 1 + drafts  # (the kernel reads a window where it lies)
-    q = torch.randn(len(starts) * n, hkv * group, D, generator=g).to(dtype)
-    k, v = (torch.randn(len(starts) * n, hkv, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(len(starts) * n, hkv * group, D, generator=g).to(on_device, dtype)
+    k, v = (torch.randn(len(starts) * n, hkv, D, generator=g).to(on_device, dtype)
+            for _ in range(2))
     seqs = []
     for r, start in enumerate(starts):
         valid = torch.rand(hkv, t, generator=g) > 0.3
         valid[:, 0] = True
+        valid = valid.to(on_device)
         rows = list(range(r * n + 1, (r + 1) * n))
         seqs.append(SeqAttention(r * n, r * n + 1, t, start, None, kv_valid=valid,
                                  draft_rows=rows, draft_slots=slots))
@@ -121,29 +144,32 @@ def test_slabs_equal_reference_and_brute_force(dtype, group, drafts, chunk):
         for i in range(n):
             extra = torch.arange(start + t, start + t + i)[i - 1:]  # a draft: its own slot
             cols = torch.cat([torch.arange(start, start + t), extra])
-            mask = torch.cat([seq.kv_valid, torch.ones(hkv, len(extra), dtype=torch.bool)], 1)
-            close_to_truth(got[r * n + i], brute(q[r * n + i].float(), kc[:, cols].float(),
-                                                 vc[:, cols].float(), mask), dtype)
+            mask = torch.cat([seq.kv_valid, torch.ones(hkv, len(extra), dtype=torch.bool,
+                                                       device=on_device)], 1)
+            close_to_truth_here(got[r * n + i], brute(q[r * n + i].float(), kc[:, cols].float(),
+                                                      vc[:, cols].float(), mask), dtype,
+                                [vc[:, cols]])
 
 
 @pytest.mark.parametrize("d", [16, 64, 80])  # 80: a head dim the tile pads (to 128)
-def test_head_dims_and_a_mixed_step_equal_the_reference(d, chunk):
+def test_head_dims_and_a_mixed_step_equal_the_reference(d, chunk, on_device):
     """One step of a dense decode, a sparse one with drafts (own mask), a prefill chunk (left
     to SDPA) and a decode over the host pool: the kernel takes the decodes, one batch per pool."""
     hkv, group, dtype = 2, 3, torch.float32
     g = torch.Generator().manual_seed(d)
-    new, ref = layers(hkv, group, dtype, g, TritonAttention, d=d)
+    new, ref = layers(hkv, group, dtype, g, TritonAttention, d=d, device=on_device)
     new.pools["host"] = ref.pools["host"] = tuple(torch.randn(hkv, 90, d, generator=g)
-                                                  for _ in range(2))
+                                                  .to(on_device) for _ in range(2))
     valid, draft_valid = (torch.rand(hkv, 51, generator=g) > 0.5 for _ in range(2))
     valid[:, 0] = draft_valid[:, 0] = True
+    valid, draft_valid = valid.to(on_device), draft_valid.to(on_device)
     seqs = [SeqAttention(0, 1, 33, 300, None),
             SeqAttention(1, 2, 51, 100, None, kv_valid=valid, draft_rows=[5, 6],
                          draft_valid=draft_valid),
             SeqAttention(2, 5, 9, 400, None),  # a prefill chunk: 3 queries over 9 slots
             SeqAttention(7, 8, 45, 20, None, pool="host")]
-    q = torch.randn(8, hkv * group, d, generator=g)
-    k, v = (torch.randn(8, hkv, d, generator=g) for _ in range(2))
+    q = torch.randn(8, hkv * group, d, generator=g).to(on_device)
+    k, v = (torch.randn(8, hkv, d, generator=g).to(on_device) for _ in range(2))
     batches, rest = triton_attention.plan(seqs, q.device, hkv)
     assert [b.pool for b in batches] == ["device", "host"] and rest == [seqs[2]]
     got, want = run(new, q, k, v, seqs), run(ref, q, k, v, seqs)
@@ -165,18 +191,23 @@ def test_units_cut_runs_in_order_and_the_split_fills_the_gpu():
     assert triton_attention.chunk_for(short, 8) == triton_attention.MIN_CHUNK  # not below it
 
 
-def test_cuda_only_and_the_environment_picks_torch_or_refuses_a_bad_value(monkeypatch):
-    """On the CPU the layer never takes the Triton path; OASISKV_CUDA_ATTENTION=torch turns
-    it off (then the decodes equal GqaAttention's exactly); a bad value is refused."""
+def test_cuda_only_and_the_environment_picks_torch_or_refuses_a_bad_value(monkeypatch,
+                                                                          on_device):
+    """On the CPU the layer never takes the Triton path, on CUDA it does; OASISKV_CUDA_ATTENTION
+    =torch turns it off (then the decodes equal GqaAttention's exactly); a bad value is
+    refused."""
     q = torch.zeros(1, 2, D)
     assert Attention(2, 1, D, 1.0)._triton(q) is None  # the CPU keeps its paths
+    if on_device.type == "cuda":
+        assert Attention(2, 1, D, 1.0)._triton(q.to(on_device)) is not None
     assert triton_kernels.load("decode") is not None
     monkeypatch.setenv(triton_kernels.ENV, "torch")
     assert triton_kernels.load("decode") is None
+    assert Attention(2, 1, D, 1.0)._triton(q.to(on_device)) is None
     g = torch.Generator().manual_seed(2)
-    new, _, inputs, _ = drafts_case(torch.bfloat16, 7, "one run", "own", g)
+    new, _, inputs, _ = drafts_case(torch.bfloat16, 7, "one run", "own", g, device=on_device)
     new = _as_triton(new)
-    gqa, _ = layers(2, 7, torch.bfloat16, g, GqaAttention)
+    gqa, _ = layers(2, 7, torch.bfloat16, g, GqaAttention, device=on_device)
     gqa.pools = new.pools
     assert torch.equal(run(new, *inputs), run(gqa, *inputs))
     monkeypatch.setenv(triton_kernels.ENV, "fast")

@@ -1,28 +1,36 @@
 """The block-head gather into the slab (`layers/block_gather.py`; its Triton kernel
-`layers/triton_kernels/gather.py` run on the CPU by Triton's interpreter): equal to a slice by
-slice copy, for fp32 and bf16, odd block sizes and head dims, several layers; and, called once
-for every layer, equal to what `kv/slab_fill._gather_working_set` does layer by layer today."""
+`layers/triton_kernels/gather.py`, compiled on CUDA when OASISKV_TEST_DEVICE is cuda, else run
+on the CPU by Triton's interpreter): equal to a slice by slice copy, for fp32 and bf16, odd block
+sizes and head dims, several layers; and, called once for every layer, equal to what
+`kv/slab_fill._gather_working_set` does layer by layer today. On CUDA the host tier is pinned
+memory the kernel reads in place (`kv/transfers.device_view`), as the engine has it."""
 
 import importlib
 
 import pytest
 import torch
-from triton_interp import triton_interpreter  # noqa: F401 (the fixture)
+from triton_interp import triton_device  # noqa: F401 (the fixture)
 
+from oasiskv.kv.transfers import device_view
 from oasiskv.layers import block_gather
 
 L, HKV = 3, 2
 
 
 @pytest.fixture(autouse=True)
-def interpreted(triton_interpreter, monkeypatch):  # noqa: F811 (the imported fixture)
+def on_device(triton_device, monkeypatch):  # noqa: F811 (the imported fixture)
+    """The tests' device (`triton_device`)."""
     monkeypatch.delenv("OASISKV_CUDA_ATTENTION", raising=False)
+    return triton_device
 
 
-def pools(dtype: torch.dtype, block: int, d: int, g: torch.Generator):
-    """A host tier of 9 blocks (random) and a device pool of 7 (zeros), [L, 2, Hkv, slots, d]."""
+def pools(dtype: torch.dtype, block: int, d: int, g: torch.Generator, device: torch.device):
+    """A host tier of 9 blocks (random; on CUDA pinned, seen from the device in place) and a
+    device pool of 7 (zeros), [L, 2, Hkv, slots, d]."""
     host = torch.randn(L, 2, HKV, 9 * block, d, generator=g).to(dtype)
-    return torch.zeros(L, 2, HKV, 7 * block, d, dtype=dtype), host
+    if device.type == "cuda":
+        host = device_view(host.pin_memory(), device)
+    return torch.zeros(L, 2, HKV, 7 * block, d, dtype=dtype, device=device), host
 
 
 def items(block: int, g: torch.Generator, n: int = 10):
@@ -42,10 +50,10 @@ def by_slices(device_kv, host_kv, layers, heads, src, dst, block):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block,d", [(16, 16), (5, 12), (1, 8)])
-def test_the_kernel_and_the_reference_equal_slice_copies(dtype, block, d):
+def test_the_kernel_and_the_reference_equal_slice_copies(dtype, block, d, on_device):
     g = torch.Generator().manual_seed(block * 100 + d)
-    device_kv, host_kv = pools(dtype, block, d, g)
-    moves = items(block, g)
+    device_kv, host_kv = pools(dtype, block, d, g, on_device)
+    moves = tuple(x.to(on_device) for x in items(block, g))
     want = device_kv.clone()
     by_slices(want, host_kv, *moves, block)
     ref = device_kv.clone()
@@ -58,18 +66,18 @@ def test_the_kernel_and_the_reference_equal_slice_copies(dtype, block, d):
     assert got.abs().sum() > 0
 
 
-def test_one_call_for_all_layers_equals_slab_fill_layer_by_layer():
+def test_one_call_for_all_layers_equals_slab_fill_layer_by_layer(on_device):
     """The wiring of `kv/slab_fill._gather_working_set`: its loop over layers (below, as it
     is) against one gather_block_heads of every layer's (slot, head)s; on the CPU it takes the
     PyTorch path, on CUDA with a pinned host tier the kernel (triton_serves)."""
-    B, K, d = 4, 3, 8
+    B, K, d, dev = 4, 3, 8, on_device
     g = torch.Generator().manual_seed(7)
-    device_kv, host_kv = pools(torch.float32, B, d, g)
-    head_map = torch.randint(-1, 6, (L, K, HKV), generator=g)  # [L, K, Hkv] logical blocks
-    table = torch.randperm(9, generator=g)  # logical block -> host block
-    slab = torch.tensor([2, 6, 0, 4]) * B  # first device token slot of each slab slot [K+1]
+    device_kv, host_kv = pools(torch.float32, B, d, g, dev)
+    head_map = torch.randint(-1, 6, (L, K, HKV), generator=g).to(dev)  # [L, K, Hkv] blocks
+    table = torch.randperm(9, generator=g).to(dev)  # logical block -> host block
+    slab = torch.tensor([2, 6, 0, 4], device=dev) * B  # first token slot of each slab slot
     want = device_kv.clone()
-    arange_b = torch.arange(B)
+    arange_b = torch.arange(B, device=dev)
     for layer, hm in enumerate(head_map):  # slab_fill._gather_working_set today
         slots, heads = (hm >= 0).nonzero(as_tuple=True)
         host = table[hm[slots, heads]]
@@ -79,7 +87,8 @@ def test_one_call_for_all_layers_equals_slab_fill_layer_by_layer():
     layers, slots, heads = (head_map >= 0).nonzero(as_tuple=True)
     host = table[head_map[layers, slots, heads]]
     got = device_kv.clone()
-    assert not block_gather.triton_serves(got, host_kv)  # CPU: the PyTorch path
+    # the CPU: the PyTorch path; CUDA: the kernel
+    assert block_gather.triton_serves(got, host_kv) == (dev.type == "cuda")
     block_gather.gather_block_heads(got, host_kv, layers, heads, host * B, slab[slots], B)
     assert torch.equal(got, want)
     gather = importlib.import_module("oasiskv.layers.triton_kernels.gather")
@@ -88,14 +97,14 @@ def test_one_call_for_all_layers_equals_slab_fill_layer_by_layer():
     assert torch.equal(kernel, want)
 
 
-def test_nothing_to_move_and_a_strided_pool_is_refused():
+def test_nothing_to_move_and_a_strided_pool_is_refused(on_device):
     g = torch.Generator().manual_seed(1)
-    device_kv, host_kv = pools(torch.float32, 4, 8, g)
+    device_kv, host_kv = pools(torch.float32, 4, 8, g, on_device)
     before = device_kv.clone()
-    empty = torch.zeros(0, dtype=torch.long)
+    empty = torch.zeros(0, dtype=torch.long, device=on_device)
     block_gather.gather_block_heads(device_kv, host_kv, empty, empty, empty, empty, 4)
     assert torch.equal(device_kv, before)
     gather = importlib.import_module("oasiskv.layers.triton_kernels.gather")
     with pytest.raises(ValueError, match="last dim must be contiguous"):
-        gather.gather(device_kv.transpose(-1, -2), host_kv, torch.zeros(1, 4, dtype=torch.long),
-                      4)
+        gather.gather(device_kv.transpose(-1, -2), host_kv,
+                      torch.zeros(1, 4, dtype=torch.long, device=on_device), 4)

@@ -1,11 +1,12 @@
-"""Triton's interpreter for the kernel tests (tests/layers/test_triton_*.py) only: a fixture
-they import (a conftest.py here would shadow tests/conftest.py, which other tests import as
-`conftest`)."""
+"""The device of the Triton kernel tests (tests/layers/test_triton_*.py): CUDA, compiled, when
+OASISKV_TEST_DEVICE is cuda; else the CPU under Triton's interpreter. A fixture they import (a
+conftest.py here would shadow tests/conftest.py, which other tests import as `conftest`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 INTERPRETER_RUNNER = "tests/layers/test_triton_interpreter.py"
 
@@ -25,11 +26,31 @@ def _index_fix(interpreter, mp: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def triton_interpreter():
-    """The kernels run by Triton's interpreter on CPU tensors. triton.jit reads TRITON_INTERPRET
-    when a function is defined, triton's own library included, and torch imports triton early
-    (torch._dynamo), so the variable must be set when the process starts: in a plain run these
-    tests skip and `test_triton_interpreter.py` runs them in a child process that sets it."""
+def triton_device(test_device):
+    """Where the kernel tests run, by OASISKV_TEST_DEVICE (`test_device`): on CUDA, the kernels
+    compiled, on CUDA tensors; on the CPU (the default), Triton's interpreter on CPU tensors.
+    triton.jit reads TRITON_INTERPRET when a function is defined, triton's own library
+    included, and torch imports triton early (torch._dynamo), so the variable must be set when
+    the process starts: in a plain CPU run these tests skip and `test_triton_interpreter.py`
+    runs them in a child process that sets it. On CUDA nothing skips (a GPU run that tested
+    nothing would read as a pass): no triton, or the interpreter on, fails them."""
+    device = torch.device(test_device)
+    if device.type == "cuda":
+        try:
+            import triton.language as tl
+            from triton.runtime import interpreter
+        except ImportError as e:
+            pytest.fail(f"OASISKV_TEST_DEVICE={test_device}: triton does not import ({e})",
+                        pytrace=False)
+        if isinstance(tl.zeros, interpreter.InterpretedFunction):
+            pytest.fail(f"OASISKV_TEST_DEVICE={test_device} with TRITON_INTERPRET=1 would test "
+                        "the interpreter, not the compiled kernels: unset TRITON_INTERPRET",
+                        pytrace=False)
+        yield device
+        return
+    if device.type != "cpu":
+        pytest.fail(f"OASISKV_TEST_DEVICE={test_device}: the Triton kernels run on CUDA (or "
+                    "interpreted on the CPU)", pytrace=False)
     pytest.importorskip("triton", reason="triton is not installed (scripts/setup.sh installs "
                                          "triton==3.6.0, the GPU machine's)")
     import triton.language as tl
@@ -41,4 +62,4 @@ def triton_interpreter():
     with pytest.MonkeyPatch.context() as mp:
         if hasattr(interpreter, "_patch_lang_tensor"):
             _index_fix(interpreter, mp)
-        yield
+        yield device
