@@ -18,12 +18,13 @@
 # pipeline` (frozen vs sync vs async, with its trace). The dense baseline is our own PyTorch
 # dense engine (paged KV, SDPA-style attention), not vLLM.
 #
-# Settings (environment): DEVICE (cuda), PY (python3), MODEL (random:qwen3-8b), CONTEXT (16384),
-# LONG_CONTEXT (32768; empty: none), BUDGET (device KV budget, 40GiB), OUTPUT_LEN (256), CONC
-# (dense-max,4x), TOP_K (128), F_HBM (0.05), TESTS (the test files run on DEVICE; empty: none),
-# TOTAL_S (300: later steps are skipped once this much time has passed), INSTALL (1; 0: use the
-# environment as it is). DEVICE=cpu with a tiny
-# model and context runs the same steps on a CPU (tests/test_device_check.py does).
+# Settings (environment): DEVICE (cuda), PY (python3), MODEL (random:qwen3-8b), CONTEXT
+# (16384), LONG_CONTEXT (32768; empty: none), BUDGET (device KV budget, 10GiB: see below),
+# OUTPUT_LEN (256), CONC (dense-max,4x), TOP_K (128), F_HBM (0.05), TESTS (the test files run on
+# DEVICE; empty: none), TOTAL_S (300: later steps are skipped once this much time has passed),
+# INSTALL (1; 0: use the environment as it is), LIMIT_SCALE (1: each step's time limit is
+# multiplied by it). DEVICE=cpu with a tiny model and context runs the same steps on a CPU
+# (tests/test_device_check.py does).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,7 +38,11 @@ PY=${PY:-python3}
 MODEL=${MODEL:-random:qwen3-8b}
 CONTEXT=${CONTEXT:-16384}
 LONG_CONTEXT=${LONG_CONTEXT-32768}
-BUDGET=${BUDGET:-40GiB}
+# 10 GiB, not the issue's 40: random:qwen3-8b's K/V is 144 KiB per token in bf16 (36 layers x
+# 8 KV heads x 128 x 2 x 2 bytes), 2.25 GiB per 16K prompt, so 40 GiB holds 17 dense requests
+# and 4x that is 68 prompts: 153 GiB of host K/V and of computed prompt K/V on disk, against
+# the machine's 128 GiB of memory and 64 GiB of disk. 10 GiB: 4 dense, 16 at 4x (36 GiB).
+BUDGET=${BUDGET:-10GiB}
 OUTPUT_LEN=${OUTPUT_LEN:-256}
 CONC=${CONC:-dense-max,4x}
 TOP_K=${TOP_K:-128}
@@ -52,7 +57,7 @@ START=$SECONDS
 
 # step NAME LIMIT_S COMMAND...: runs it under its limit, logs to OUT/NAME.log, says its status
 step() {
-  local name=$1 limit=$2
+  local name=$1 limit=$(( $2 * ${LIMIT_SCALE:-1} ))
   shift 2
   if (( SECONDS - START > TOTAL_S )); then
     echo "== $name: skipped (${TOTAL_S} s spent)" | tee "$OUT/$name.status"

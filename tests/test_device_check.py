@@ -16,9 +16,10 @@ def test_the_device_check_runs_every_step_on_a_cpu(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, DEVICE="cpu", PY=sys.executable, MODEL="random:tiny", CONTEXT="256",
                LONG_CONTEXT="", BUDGET="192KiB", OUTPUT_LEN="4", CONC="dense-max", TOP_K="4",
-               TESTS="", INSTALL="0", TOTAL_S="600")
+               TESTS="", INSTALL="0", TOTAL_S="900",
+               LIMIT_SCALE="4")  # a shared 2-core CPU, not a GPU
     done = subprocess.run(["bash", "scripts/device_check.sh", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     status = {p.stem: p.read_text() for p in out.glob("*.status")}
     assert set(status) == {"environment", "throughput-256", "pipeline"}, status
