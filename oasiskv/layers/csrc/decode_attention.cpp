@@ -11,8 +11,12 @@
 // its mask allows it (class 0: `valid`, the others `draft_valid`, default `valid`; none: all),
 // and draft j also its own K/V, row `extra[j]` of ke/ve (never the normal row).
 //
-// The hot loops are plain C++ that compilers vectorize; they are compiled three times (AVX-512,
-// AVX2+FMA, the baseline) and chosen at run time by CPUID, so one build runs on any x86-64.
+// The hot loops are written on vectors of W fp32 lanes (GCC/clang vector extensions, so no
+// loop depends on the auto-vectorizer): a tile's scores key-major, W keys a vector, their
+// partial sums over d added lane-wise W keys at once (no horizontal sum per key); an exp over
+// the tile's scores W at a time; P.V as broadcast FMAs over d; bf16 widened by shifts in the
+// vector registers. They are compiled three times (AVX-512, W 16; AVX2+FMA, W 8; the baseline,
+// W 4) and chosen at run time by CPUID, so one build runs on any x86-64.
 // Built and cached by oasiskv/layers/decode_kernel.py.
 
 #include <torch/extension.h>
@@ -28,9 +32,13 @@
 #include <string>
 #include <vector>
 
+// the vector types below never cross a call (everything is inlined into one function per ISA)
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 namespace {
 
 constexpr int64_t TILE = 64;  // slots scored before their values are read
+constexpr int64_t MAX_D = 512;  // the largest head dim (a row's vectors live on the stack)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 #define OASIS_INLINE inline __attribute__((always_inline))
@@ -95,6 +103,102 @@ OASIS_INLINE float fexp(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+// ---- vectors of W fp32 lanes (GCC/clang vector extensions; W = 16, 8, 4 per instruction set)
+
+template <int W>
+struct Vec {
+  typedef float f __attribute__((vector_size(W * 4)));
+  typedef int32_t i __attribute__((vector_size(W * 4)));
+  typedef uint32_t u __attribute__((vector_size(W * 4)));
+  typedef uint16_t h __attribute__((vector_size(W * 2)));
+};
+
+template <int W>
+OASIS_INLINE typename Vec<W>::f vload(const float* p) {
+  typename Vec<W>::f v;
+  std::memcpy(&v, p, sizeof v);  // unaligned
+  return v;
+}
+template <int W>
+OASIS_INLINE typename Vec<W>::f vload(const uint16_t* p) {  // bf16: shifted into the high half
+  typename Vec<W>::h h;
+  std::memcpy(&h, p, sizeof h);
+  return (typename Vec<W>::f)(__builtin_convertvector(h, typename Vec<W>::u) << 16);
+}
+template <int W>
+OASIS_INLINE void vstore(float* p, typename Vec<W>::f v) { std::memcpy(p, &v, sizeof v); }
+
+// fexp on W lanes, the same operations lane by lane
+template <int W>
+OASIS_INLINE typename Vec<W>::f vexp(typename Vec<W>::f x) {
+  using F = typename Vec<W>::f;
+  using I = typename Vec<W>::i;
+  const F lo = F{} - 87.0f, hi = F{} + 88.0f;
+  const F xc = x < lo ? lo : (x > hi ? hi : x);
+  const F t = xc * 1.44269504088896341f;
+  const I n = __builtin_convertvector(t + (t >= 0.0f ? F{} + 0.5f : F{} - 0.5f), I);
+  const F nf = __builtin_convertvector(n, F);
+  F r = xc - nf * 0.693359375f;
+  r = r + nf * 2.12194440e-4f;
+  F p = F{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const F scale = (F)((n + 127) << 23);
+  return x < lo ? F{} : p * scale;
+}
+
+#define OASIS_SHUF __builtin_shufflevector
+
+// r[k] = the sum of v[k]'s lanes, k < W: adjacent lanes paired (hadd) within 128-bit blocks,
+// then the blocks summed across; the shuffles pair what the instruction sets pair cheaply
+template <int W>
+OASIS_INLINE typename Vec<W>::f hsums(const typename Vec<W>::f* v) {
+  using F = typename Vec<W>::f;
+  F g[W / 4];
+  for (int m = 0; m < W / 4; ++m) {  // g[m]: block k, lane i = block k of v[4m + i]
+    F h[2];
+    for (int j = 0; j < 2; ++j) {
+      const F a = v[4 * m + 2 * j], b = v[4 * m + 2 * j + 1];
+      if constexpr (W == 16)
+        h[j] = OASIS_SHUF(a, b, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
+               OASIS_SHUF(a, b, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
+      else if constexpr (W == 8)
+        h[j] = OASIS_SHUF(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+               OASIS_SHUF(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+      else
+        h[j] = OASIS_SHUF(a, b, 0, 2, 4, 6) + OASIS_SHUF(a, b, 1, 3, 5, 7);
+    }
+    const F a = h[0], b = h[1];
+    if constexpr (W == 16)
+      g[m] = OASIS_SHUF(a, b, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
+             OASIS_SHUF(a, b, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
+    else if constexpr (W == 8)
+      g[m] = OASIS_SHUF(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+             OASIS_SHUF(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+    else
+      g[m] = OASIS_SHUF(a, b, 0, 2, 4, 6) + OASIS_SHUF(a, b, 1, 3, 5, 7);
+  }
+  if constexpr (W == 16) {  // blocks (0+2, 1+3) of g0, g1 and of g2, g3, then (0+1) of each
+    const F e0 = OASIS_SHUF(g[0], g[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 OASIS_SHUF(g[0], g[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                            30, 31);
+    const F e1 = OASIS_SHUF(g[2], g[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 OASIS_SHUF(g[2], g[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                            30, 31);
+    return OASIS_SHUF(e0, e1, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           OASIS_SHUF(e0, e1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  } else if constexpr (W == 8) {
+    return OASIS_SHUF(g[0], g[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           OASIS_SHUF(g[0], g[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  } else {
+    return g[0];
+  }
+}
+
 // One query row's running state gets a single more score (the drafts' own K/V)
 OASIS_INLINE void attend_one(float score, const float* vf, float* acc, float& mx, float& l,
                              int64_t d) {
@@ -105,27 +209,63 @@ OASIS_INLINE void attend_one(float score, const float* vf, float* acc, float& mx
   mx = mnew;
 }
 
-template <typename T, int D>
+// Row t of the tile in fp32, d values then zeros up to dp (a multiple of W)
+template <int W, typename T>
+OASIS_INLINE void widen(const T* src, float* dst, int64_t d, int64_t dp) {
+  int64_t c = 0;
+  for (; c + W <= d; c += W) vstore<W>(dst + c, vload<W>(src + c));
+  for (; c < d; ++c) dst[c] = load(src, c);
+  for (; c < dp; ++c) dst[c] = 0.0f;
+}
+
+// Scores of W keys (fp32 rows kt, stride DP) against one query row: per key a vector of
+// partial sums over d, the W of them summed lane-wise at once (no horizontal sum per key)
+template <int W, int DP>
+OASIS_INLINE typename Vec<W>::f scores_w(const typename Vec<W>::f* qv, const float* kt,
+                                         int64_t dp) {
+  using F = typename Vec<W>::f;
+  const int64_t C = DP ? DP / W : dp / W, stride = DP ? DP : dp;
+  F part[W];
+  for (int k = 0; k < W; ++k) {
+    const float* kr = kt + k * stride;
+    F a = qv[0] * vload<W>(kr);
+    for (int64_t c = 1; c < C; ++c) a += qv[c] * vload<W>(kr + c * W);
+    part[k] = a;
+  }
+  return hsums<W>(part);
+}
+
+// The unit's slots, a tile at a time: scores (key-major, W keys per vector), masks, online
+// softmax with a vectorized exp over the tile, then P.V as broadcast FMAs over d. D: the head
+// dim when fixed (64, 128), else 0; rows are padded with zeros to DP, a multiple of W.
+template <typename T, int D, int W>
 OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
                            std::vector<float>& buf) {
-  const int64_t d = D ? D : a.d, G = a.group, h = u.h, b = u.b;
+  using F = typename Vec<W>::f;
+  static_assert(D % W == 0 && TILE % W == 0, "lanes divide the head dim and the tile");
+  constexpr int64_t DP = D;  // 0: runtime
+  constexpr int64_t CMAX = D ? D / W : MAX_D / W;  // vectors of a row held in registers
+  const int64_t d = D ? D : a.d, dp = D ? D : (a.d + W - 1) / W * W, C = dp / W;
+  const int64_t G = a.group, h = u.h, b = u.b;
   const int64_t r0 = a.row_off[b], n = a.row_off[b + 1] - r0, M = n * G;
-  buf.resize(2 * M * d + M * TILE + TILE * d + 2 * M);
-  float* qf = buf.data();     // [M, d] the queries, scaled
-  float* acc = qf + M * d;    // [M, d] the weighted values
-  float* s = acc + M * d;     // [M, TILE] a tile's scores, then its probabilities
-  float* tf = s + M * TILE;   // [TILE, d] a tile's K rows, then its V rows, in fp32
-  float* mx = tf + TILE * d;  // [M] running max
-  float* l = mx + M;          // [M] running sum of exp(score - max)
+  buf.resize(2 * M * dp + M * TILE + TILE * dp + 2 * M + 2 * TILE + 2 * W);
+  float* qf = buf.data();       // [M, dp] the queries, scaled
+  float* acc = qf + M * dp;     // [M, dp] the weighted values
+  float* s = acc + M * dp;      // [M, TILE] a tile's scores, then its probabilities
+  float* tf = s + M * TILE;     // [TILE, dp] a tile's K rows, then its V rows, in fp32
+  float* mx = tf + TILE * dp;   // [M] running max
+  float* l = mx + M;            // [M] running sum of exp(score - max)
+  float* bias = l + M;          // [2, TILE] 0 or -inf: the masks of the normal row, the drafts
   const T* q = static_cast<const T*>(a.q);
   for (int64_t j = 0; j < n; ++j) {
     const T* qr = q + a.rows[r0 + j] * a.q_rs + h * G * a.q_hs;
     for (int64_t g = 0; g < G; ++g) {
-      float* qi = qf + (j * G + g) * d;
-      for (int64_t c = 0; c < d; ++c) qi[c] = load(qr + g * a.q_hs, c) * a.scale;
+      float* qi = qf + (j * G + g) * dp;
+      widen<W>(qr + g * a.q_hs, qi, d, dp);
+      for (int64_t c = 0; c < dp; ++c) qi[c] *= a.scale;
     }
   }
-  std::fill(acc, acc + M * d, 0.0f);
+  std::fill(acc, acc + M * dp, 0.0f);
   std::fill(mx, mx + M, NEG_INF);
   std::fill(l, l + M, 0.0f);
   const T* kh = static_cast<const T*>(a.k) + h * a.k_hs;
@@ -137,94 +277,74 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
     const int64_t first = a.runs[2 * r], len = a.runs[2 * r + 1];
     const int64_t lo = std::max(u.lo, pos), hi = std::min(u.hi, pos + len);
     for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
-      const int64_t tn = std::min(TILE, hi - t0);
+      const int64_t tn = std::min(TILE, hi - t0), tw = (tn + W - 1) / W * W;
       const int64_t slot = first + t0 - pos;
-      // scores [M, tn]: the tile's K rows in fp32 once, each query row against them
-      for (int64_t t = 0; t < tn; ++t) {
-        const T* kr = kh + (slot + t) * a.k_ss;
-        float* kt = tf + t * d;
-#pragma omp simd
-        for (int64_t c = 0; c < d; ++c) kt[c] = load(kr, c);
+      // the tile's K rows in fp32 once (the padding up to W keys zeros)
+      for (int64_t t = 0; t < tn; ++t) widen<W>(kh + (slot + t) * a.k_ss, tf + t * dp, d, dp);
+      std::fill(tf + tn * dp, tf + tw * dp, 0.0f);
+      // per row class, 0 where the slot is seen, -inf where masked or padding
+      for (int64_t cls = 0; cls < (n > 1 ? 2 : 1); ++cls) {
+        const Mask& mk = cls ? m1 : m0;
+        float* bc = bias + cls * TILE;
+        if (mk.ptr) {
+          const uint8_t* mp = mk.ptr + h * mk.hs + t0 * mk.ss;
+          for (int64_t t = 0; t < tn; ++t) bc[t] = mp[t * mk.ss] ? 0.0f : NEG_INF;
+        } else {
+          std::fill(bc, bc + tn, 0.0f);
+        }
+        std::fill(bc + tn, bc + tw, NEG_INF);
       }
       for (int64_t i = 0; i < M; ++i) {
-        const float* qi = qf + i * d;
+        const float* qi = qf + i * dp;
+        const float* bc = bias + (i < G ? 0 : TILE);
         float* si = s + i * TILE;
-        for (int64_t t = 0; t < tn; ++t) {
-          const float* kt = tf + t * d;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t c = 0; c < d; ++c) dot += qi[c] * kt[c];
-          si[t] = dot;
+        F qv[CMAX];
+        for (int64_t c = 0; c < C; ++c) qv[c] = vload<W>(qi + c * W);
+        // scores [tw]: W keys a vector
+        F vmax = F{} + NEG_INF;
+        for (int64_t t = 0; t < tw; t += W) {
+          const F sc = scores_w<W, DP>(qv, tf + t * dp, dp) + vload<W>(bc + t);
+          vstore<W>(si + t, sc);
+          vmax = vmax > sc ? vmax : sc;
         }
-      }
-      for (int64_t j = 0; j < n; ++j) {  // masks, per row class
-        const Mask& mk = j ? m1 : m0;
-        if (!mk.ptr) continue;
-        const uint8_t* mp = mk.ptr + h * mk.hs + t0 * mk.ss;
-        for (int64_t g = 0; g < G; ++g) {
-          float* si = s + (j * G + g) * TILE;
-          for (int64_t t = 0; t < tn; ++t)
-            if (!mp[t * mk.ss]) si[t] = NEG_INF;
-        }
-      }
-      // online softmax: scores -> probabilities against the running max
-      for (int64_t i = 0; i < M; ++i) {
-        float* si = s + i * TILE;
+        // online softmax: scores -> probabilities against the running max
         float tmax = NEG_INF;
-#pragma omp simd reduction(max : tmax)
-        for (int64_t t = 0; t < tn; ++t) tmax = std::max(tmax, si[t]);
+        for (int k = 0; k < W; ++k) tmax = std::max(tmax, vmax[k]);
         const float mnew = std::max(mx[i], tmax);
         if (mnew == NEG_INF) {  // nothing seen yet: nothing to add
-          std::fill(si, si + tn, 0.0f);
+          std::fill(si, si + tw, 0.0f);
           continue;
         }
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < tn; ++t) {
-          const float p = fexp(si[t] - mnew);
-          si[t] = p;
-          sum += p;
+        F vsum = F{};
+        for (int64_t t = 0; t < tw; t += W) {
+          const F p = vexp<W>(vload<W>(si + t) - mnew);
+          vstore<W>(si + t, p);
+          vsum += p;
         }
+        float sum = 0.0f;
+        for (int k = 0; k < W; ++k) sum += vsum[k];
         if (mnew != mx[i]) {
           const float corr = fexp(mx[i] - mnew);  // 0 while mx is -inf
-          float* ai = acc + i * d;
-#pragma omp simd
-          for (int64_t c = 0; c < d; ++c) ai[c] *= corr;
+          float* ai = acc + i * dp;
+          for (int64_t c = 0; c < dp; c += W) vstore<W>(ai + c, vload<W>(ai + c) * corr);
           l[i] *= corr;
           mx[i] = mnew;
         }
         l[i] += sum;
       }
       // values: the tile's V rows in fp32 once, each query row's weighted sum in registers
-      for (int64_t t = 0; t < tn; ++t) {
-        const T* vr = vh + (slot + t) * a.v_ss;
-        float* vt = tf + t * d;
-#pragma omp simd
-        for (int64_t c = 0; c < d; ++c) vt[c] = load(vr, c);
-      }
+      for (int64_t t = 0; t < tn; ++t) widen<W>(vh + (slot + t) * a.v_ss, tf + t * dp, d, dp);
       for (int64_t i = 0; i < M; ++i) {
         const float* pi = s + i * TILE;
-        float* ai = acc + i * d;
-        if constexpr (D > 0) {
-          float reg[D];
-#pragma omp simd
-          for (int64_t c = 0; c < D; ++c) reg[c] = ai[c];
-          for (int64_t t = 0; t < tn; ++t) {
-            const float p = pi[t];
-            const float* vt = tf + t * D;
-#pragma omp simd
-            for (int64_t c = 0; c < D; ++c) reg[c] += p * vt[c];
-          }
-#pragma omp simd
-          for (int64_t c = 0; c < D; ++c) ai[c] = reg[c];
-        } else {
-          for (int64_t t = 0; t < tn; ++t) {
-            const float p = pi[t];
-            const float* vt = tf + t * d;
-#pragma omp simd
-            for (int64_t c = 0; c < d; ++c) ai[c] += p * vt[c];
-          }
+        float* ai = acc + i * dp;
+        F av[CMAX];
+        for (int64_t c = 0; c < C; ++c) av[c] = vload<W>(ai + c * W);
+        for (int64_t t = 0; t < tn; ++t) {
+          const float p = pi[t];
+          const float* vt = tf + t * dp;
+          for (int64_t c = 0; c < C; ++c) av[c] += p * vload<W>(vt + c * W);
         }
+        for (int64_t c = 0; c < C; ++c) vstore<W>(ai + c * W, av[c]);
       }
     }
     pos += len;
@@ -233,7 +353,7 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
     const T* ke = static_cast<const T*>(a.ke) + h * a.ke_hs;
     const T* ve = static_cast<const T*>(a.ve) + h * a.ve_hs;
     float* kf = tf;
-    float* vf = tf + d;
+    float* vf = tf + dp;
     for (int64_t j = 1; j < n; ++j) {
       const int64_t row = a.extra[r0 + j];
       for (int64_t c = 0; c < d; ++c) kf[c] = load(ke + row * a.ke_ss, c);
@@ -241,14 +361,14 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
       for (int64_t g = 0; g < G; ++g) {
         const int64_t i = j * G + g;
         float dot = 0.0f;
-        for (int64_t c = 0; c < d; ++c) dot += qf[i * d + c] * kf[c];
-        attend_one(dot, vf, acc + i * d, mx[i], l[i], d);
+        for (int64_t c = 0; c < d; ++c) dot += qf[i * dp + c] * kf[c];
+        attend_one(dot, vf, acc + i * dp, mx[i], l[i], d);
       }
     }
   }
   if (u.part >= 0) {  // [M, d] weighted values, then [M] maxima, [M] sums
     float* p = partials + u.part;
-    std::copy(acc, acc + M * d, p);
+    for (int64_t i = 0; i < M; ++i) std::copy(acc + i * dp, acc + i * dp + d, p + i * d);
     std::copy(mx, mx + M, p + M * d);
     std::copy(l, l + M, p + M * d + M);
     return;
@@ -259,7 +379,7 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
     for (int64_t g = 0; g < G; ++g) {
       const int64_t i = j * G + g;
       const float inv = 1.0f / l[i];  // 0 seen: 0/0, NaN, as a softmax over no slot
-      for (int64_t c = 0; c < d; ++c) store(orow + g * a.o_hs, c, acc[i * d + c] * inv);
+      for (int64_t c = 0; c < d; ++c) store(orow + g * a.o_hs, c, acc[i * dp + c] * inv);
     }
   }
 }
@@ -292,31 +412,31 @@ void merge(const Args& a, const Unit* units, int64_t chunks, const float* partia
 
 using UnitsFn = void (*)(const Args&, const Unit*, int64_t, float*);
 
-template <typename T, int D>
+template <typename T, int D, int W>
 OASIS_INLINE void run_units(const Args& a, const Unit* u, int64_t count, float* partials) {
   std::vector<float> buf;
-  for (int64_t i = 0; i < count; ++i) run_unit<T, D>(a, u[i], partials, buf);
+  for (int64_t i = 0; i < count; ++i) run_unit<T, D, W>(a, u[i], partials, buf);
 }
 
 // One copy of the kernels per instruction set: the compiler vectorizes each for its own
-#define OASIS_KERNELS(ISA, ATTR)                                                             \
+#define OASIS_KERNELS(ISA, ATTR, W)                                                           \
   ATTR void ISA##_f32_64(const Args& a, const Unit* u, int64_t n, float* p) {               \
-    run_units<float, 64>(a, u, n, p);                                                        \
+    run_units<float, 64, W>(a, u, n, p);                                                     \
   }                                                                                          \
   ATTR void ISA##_f32_128(const Args& a, const Unit* u, int64_t n, float* p) {              \
-    run_units<float, 128>(a, u, n, p);                                                       \
+    run_units<float, 128, W>(a, u, n, p);                                                    \
   }                                                                                          \
   ATTR void ISA##_f32_any(const Args& a, const Unit* u, int64_t n, float* p) {              \
-    run_units<float, 0>(a, u, n, p);                                                         \
+    run_units<float, 0, W>(a, u, n, p);                                                      \
   }                                                                                          \
   ATTR void ISA##_bf16_64(const Args& a, const Unit* u, int64_t n, float* p) {              \
-    run_units<uint16_t, 64>(a, u, n, p);                                                     \
+    run_units<uint16_t, 64, W>(a, u, n, p);                                                  \
   }                                                                                          \
   ATTR void ISA##_bf16_128(const Args& a, const Unit* u, int64_t n, float* p) {             \
-    run_units<uint16_t, 128>(a, u, n, p);                                                    \
+    run_units<uint16_t, 128, W>(a, u, n, p);                                                 \
   }                                                                                          \
   ATTR void ISA##_bf16_any(const Args& a, const Unit* u, int64_t n, float* p) {             \
-    run_units<uint16_t, 0>(a, u, n, p);                                                      \
+    run_units<uint16_t, 0, W>(a, u, n, p);                                                   \
   }                                                                                          \
   UnitsFn ISA##_pick(bool bf16, int64_t d) {                                                 \
     if (bf16) return d == 64 ? ISA##_bf16_64 : d == 128 ? ISA##_bf16_128 : ISA##_bf16_any;  \
@@ -325,10 +445,10 @@ OASIS_INLINE void run_units(const Args& a, const Unit* u, int64_t count, float* 
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define OASIS_X86 1
-OASIS_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))))
-OASIS_KERNELS(avx2, __attribute__((target("avx2,fma"))))
+OASIS_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))), 16)
+OASIS_KERNELS(avx2, __attribute__((target("avx2,fma"))), 8)
 #endif
-OASIS_KERNELS(base, )
+OASIS_KERNELS(base, , 4)
 
 // The instruction sets this CPU runs, best first
 std::vector<std::string> isas() {
@@ -393,6 +513,7 @@ void decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::
   check_rows(v, "v");
   check_rows(ke, "ke");
   check_rows(ve, "ve");
+  TORCH_CHECK(q.size(2) <= MAX_D, "head dim ", q.size(2), " over ", MAX_D);
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 only");
   TORCH_CHECK(out.scalar_type() == dtype && k.scalar_type() == dtype &&
