@@ -235,6 +235,58 @@ OASIS_INLINE typename Vec<W>::f scores_w(const typename Vec<W>::f* qv, const flo
   return hsums<W>(part);
 }
 
+// P.V for RB query rows at once, key-outer: each V row widened in registers once (read where
+// it lies, no copy) and broadcast-FMAed into the RB rows' accumulators, held in registers
+template <typename T, int D, int W, int RB>
+OASIS_INLINE void pv_block(const float* p, float* acc, const T* v, int64_t v_ss, int64_t tn,
+                           int64_t dp) {
+  using F = typename Vec<W>::f;
+  constexpr int64_t CMAX = D ? D / W : MAX_D / W;
+  const int64_t C = D ? D / W : dp / W;
+  F av[RB][CMAX];
+  for (int i = 0; i < RB; ++i)
+    for (int64_t c = 0; c < C; ++c) av[i][c] = vload<W>(acc + i * dp + c * W);
+  for (int64_t t = 0; t < tn; ++t) {
+    const T* vr = v + t * v_ss;
+    F vc[CMAX];
+    for (int64_t c = 0; c < C; ++c) vc[c] = vload<W>(vr + c * W);
+    for (int i = 0; i < RB; ++i) {
+      const float pi = p[i * TILE + t];
+      for (int64_t c = 0; c < C; ++c) av[i][c] += pi * vc[c];
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int64_t c = 0; c < C; ++c) vstore<W>(acc + i * dp + c * W, av[i][c]);
+}
+
+// pv_block for r <= RB rows
+template <typename T, int D, int W, int RB>
+OASIS_INLINE void pv_rows(int64_t r, const float* p, float* acc, const T* v, int64_t v_ss,
+                          int64_t tn, int64_t dp) {
+  if constexpr (RB > 1)
+    if (r < RB) return pv_rows<T, D, W, RB - 1>(r, p, acc, v, v_ss, tn, dp);
+  pv_block<T, D, W, RB>(p, acc, v, v_ss, tn, dp);
+}
+
+// Rows of a P.V block: as many as their accumulators and a V row fit the vector registers
+// (32 with AVX-512, else 16)
+template <int D, int W>
+constexpr int pv_rows_max() {
+  if (!D) return 4;
+  const int c = D / W, regs = W == 16 ? 32 : 16;
+  const int rb = (regs - c - 2) / c;
+  return rb < 1 ? 1 : rb > 6 ? 6 : rb;
+}
+
+// Hints the cache to fetch rows [0, n) of a K or V pool (prefetches never fault)
+template <typename T>
+OASIS_INLINE void prefetch_rows(const T* p, int64_t ss, int64_t n, int64_t d) {
+  const int64_t bytes = d * int64_t(sizeof(T));
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t o = 0; o < bytes; o += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(p + t * ss) + o);
+}
+
 // The unit's slots, a tile at a time: scores (key-major, W keys per vector), masks, online
 // softmax with a vectorized exp over the tile, then P.V as broadcast FMAs over d. D: the head
 // dim when fixed (64, 128), else 0; rows are padded with zeros to DP, a multiple of W.
@@ -279,6 +331,9 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
     for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
       const int64_t tn = std::min(TILE, hi - t0), tw = (tn + W - 1) / W * W;
       const int64_t slot = first + t0 - pos;
+      // this tile's V rows and the next tile's K rows on their way while we score
+      prefetch_rows(vh + slot * a.v_ss, a.v_ss, tn, d);
+      prefetch_rows(kh + (slot + tn) * a.k_ss, a.k_ss, std::min(TILE, hi - t0 - tn), d);
       // the tile's K rows in fp32 once (the padding up to W keys zeros)
       for (int64_t t = 0; t < tn; ++t) widen<W>(kh + (slot + t) * a.k_ss, tf + t * dp, d, dp);
       std::fill(tf + tn * dp, tf + tw * dp, 0.0f);
@@ -332,7 +387,15 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
         }
         l[i] += sum;
       }
-      // values: the tile's V rows in fp32 once, each query row's weighted sum in registers
+      // values: read in place when rows are whole vectors (d a multiple of W), RB rows at once
+      if (d == dp) {
+        constexpr int RB = pv_rows_max<D, W>();
+        for (int64_t i = 0; i < M; i += RB)
+          pv_rows<T, D, W, RB>(std::min<int64_t>(RB, M - i), s + i * TILE, acc + i * dp,
+                               vh + slot * a.v_ss, a.v_ss, tn, dp);
+        continue;
+      }
+      // else the tile's V rows in fp32 once (zeros past d), each query row's sum in registers
       for (int64_t t = 0; t < tn; ++t) widen<W>(vh + (slot + t) * a.v_ss, tf + t * dp, d, dp);
       for (int64_t i = 0; i < M; ++i) {
         const float* pi = s + i * TILE;
@@ -562,17 +625,20 @@ void decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::
   const UnitsFn fn = pick(chosen, dtype == at::kBFloat16, d);
 
   // units: each (request, head) whole, or in chunks when there are fewer than the threads
-  // can share evenly (4 per thread)
+  // can share evenly (4 per thread; the units a multiple of the threads, as the chunks allow)
   const int64_t threads = at::get_num_threads(), items = B * hkv;
+  int64_t want = 1;
+  if (threads > 1 && items > 0 && items < 4 * threads) {
+    want = (4 * threads + items - 1) / items;
+    for (int64_t i = 0; i < threads && (items * want) % threads; ++i) ++want;
+  }
   std::vector<Unit> units;
   std::vector<std::pair<int64_t, int64_t>> split;  // (first unit, chunks) of split items
   int64_t part = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t M = (a.row_off[b + 1] - a.row_off[b]) * a.group;
-    int64_t chunks = 1;
-    if (threads > 1 && items < 4 * threads)
-      chunks = std::max<int64_t>(1, std::min((4 * threads + items - 1) / items,
-                                             total[b] / std::max<int64_t>(1, min_chunk)));
+    const int64_t chunks = std::max<int64_t>(
+        1, std::min(want, total[b] / std::max<int64_t>(1, min_chunk)));
     for (int64_t h = 0; h < hkv; ++h) {
       if (chunks > 1) split.emplace_back(units.size(), chunks);
       for (int64_t c = 0; c < chunks; ++c) {
