@@ -481,7 +481,7 @@ OASIS_INLINE void run_units(const Args& a, const Unit* u, int64_t count, float* 
   for (int64_t i = 0; i < count; ++i) run_unit<T, D, W>(a, u[i], partials, buf);
 }
 
-// One copy of the kernels per instruction set: the compiler vectorizes each for its own
+// One copy of the kernels per instruction set, each on its own vector width W
 #define OASIS_KERNELS(ISA, ATTR, W)                                                           \
   ATTR void ISA##_f32_64(const Args& a, const Unit* u, int64_t n, float* p) {               \
     run_units<float, 64, W>(a, u, n, p);                                                     \
