@@ -8,6 +8,7 @@ attention over expanded K/V: dense (one run, runs out of order), sparse masks, d
 
 import math
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -178,6 +179,41 @@ def test_draft_rows_equal_reference_and_brute_force(ext, dtype, group, kind, mas
         close_to_truth(got[row], truth, dtype)
 
 
+def check_slabs(new: Attention, ref: Attention, g: torch.Generator, starts: list[int], t: int,
+                slots: int, drafts: int, dtype: torch.dtype, device: str = "cpu",
+                truth: Callable | None = None) -> None:
+    """Sparse slabs of t tokens at `starts` in new's device pool (masks, `drafts` draft rows,
+    their K/V in the draft slots as the runner leaves them): new equals ref and a float64 brute
+    force per row. truth(got, want, dtype, values): the brute-force check (default
+    close_to_truth; values: the V rows the row weighs)."""
+    truth = truth or (lambda got, want, dtype, _values: close_to_truth(got, want, dtype))
+    hkv, group = new.num_kv_heads, new.num_heads // new.num_kv_heads
+    n = 1 + drafts
+    q = torch.randn(len(starts) * n, hkv * group, D, generator=g).to(device, dtype)
+    k, v = (torch.randn(len(starts) * n, hkv, D, generator=g).to(device, dtype)
+            for _ in range(2))
+    seqs = []
+    for r, start in enumerate(starts):
+        valid = torch.rand(hkv, t, generator=g) > 0.3
+        valid[:, 0] = True
+        rows = list(range(r * n + 1, (r + 1) * n))
+        seqs.append(SeqAttention(r * n, r * n + 1, t, start, None, kv_valid=valid.to(device),
+                                 draft_rows=rows, draft_slots=slots))
+        for pool, rows_kv in zip(new.pools["device"], (k, v), strict=True):
+            pool[:, start + t:start + t + drafts] = rows_kv[rows].transpose(0, 1)
+    got = run(new, q, k, v, seqs)
+    close_to_reference(got, run(ref, q, k, v, seqs), dtype)
+    kc, vc = new.pools["device"]
+    for r, (start, seq) in enumerate(zip(starts, seqs, strict=True)):
+        for i in range(n):
+            extra = torch.arange(start + t, start + t + i)[i - 1:]  # a draft: its own slot
+            cols = torch.cat([torch.arange(start, start + t), extra])
+            mask = torch.cat([seq.kv_valid, torch.ones(hkv, len(extra), dtype=torch.bool,
+                                                       device=device)], 1)
+            truth(got[r * n + i], brute(q[r * n + i].float(), kc[:, cols].float(),
+                                        vc[:, cols].float(), mask), dtype, [vc[:, cols]])
+
+
 # window starts of 4 requests (a slab of 37 slots, then 4 draft slots: windows of 41)
 SLAB_LAYOUTS = {"side by side": [5, 46, 87, 128], "apart": [5, 100, 200, 300], "alone": [77]}
 
@@ -191,28 +227,7 @@ def test_slabs_equal_reference_and_brute_force(ext, dtype, group, drafts, name, 
     hkv, t, slots = 2, 37, 4
     g = torch.Generator().manual_seed(drafts * 10 + group)
     new, ref = layers(hkv, group, dtype, g)
-    starts, n = SLAB_LAYOUTS[name], 1 + drafts
-    q = torch.randn(len(starts) * n, hkv * group, D, generator=g).to(dtype)
-    k, v = (torch.randn(len(starts) * n, hkv, D, generator=g).to(dtype) for _ in range(2))
-    seqs = []
-    for r, start in enumerate(starts):
-        valid = torch.rand(hkv, t, generator=g) > 0.3
-        valid[:, 0] = True
-        rows = list(range(r * n + 1, (r + 1) * n))
-        seqs.append(SeqAttention(r * n, r * n + 1, t, start, None, kv_valid=valid,
-                                 draft_rows=rows, draft_slots=slots))
-        for pool, rows_kv in zip(new.pools["device"], (k, v), strict=True):
-            pool[:, start + t:start + t + drafts] = rows_kv[rows].transpose(0, 1)
-    got = run(new, q, k, v, seqs)
-    close_to_reference(got, run(ref, q, k, v, seqs), dtype)
-    kc, vc = new.pools["device"]
-    for r, (start, seq) in enumerate(zip(starts, seqs, strict=True)):
-        for i in range(n):
-            extra = torch.arange(start + t, start + t + i)[i - 1:]  # a draft: its own slot
-            cols = torch.cat([torch.arange(start, start + t), extra])
-            mask = torch.cat([seq.kv_valid, torch.ones(hkv, len(extra), dtype=torch.bool)], 1)
-            close_to_truth(got[r * n + i], brute(q[r * n + i].float(), kc[:, cols].float(),
-                                                 vc[:, cols].float(), mask), dtype)
+    check_slabs(new, ref, g, SLAB_LAYOUTS[name], t, slots, drafts, dtype)
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)

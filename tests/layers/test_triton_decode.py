@@ -15,6 +15,7 @@ import torch
 from test_decode_kernel import (
     SLAB_LAYOUTS,
     brute,
+    check_slabs,
     close_to_reference,
     close_to_truth,
     drafts_case,
@@ -123,32 +124,9 @@ def test_slabs_equal_reference_and_brute_force(dtype, group, drafts, chunk, on_d
     hkv, t, slots = 2, 37, 4
     g = torch.Generator().manual_seed(drafts * 10 + group)
     new, ref = layers(hkv, group, dtype, g, TritonAttention, device=on_device)
-    starts, n = SLAB_LAYOUTS["apart"], 1 + drafts  # (the kernel reads a window where it lies)
-    q = torch.randn(len(starts) * n, hkv * group, D, generator=g).to(on_device, dtype)
-    k, v = (torch.randn(len(starts) * n, hkv, D, generator=g).to(on_device, dtype)
-            for _ in range(2))
-    seqs = []
-    for r, start in enumerate(starts):
-        valid = torch.rand(hkv, t, generator=g) > 0.3
-        valid[:, 0] = True
-        valid = valid.to(on_device)
-        rows = list(range(r * n + 1, (r + 1) * n))
-        seqs.append(SeqAttention(r * n, r * n + 1, t, start, None, kv_valid=valid,
-                                 draft_rows=rows, draft_slots=slots))
-        for pool, rows_kv in zip(new.pools["device"], (k, v), strict=True):
-            pool[:, start + t:start + t + drafts] = rows_kv[rows].transpose(0, 1)
-    got = run(new, q, k, v, seqs)
-    close_to_reference(got, run(ref, q, k, v, seqs), dtype)
-    kc, vc = new.pools["device"]
-    for r, (start, seq) in enumerate(zip(starts, seqs, strict=True)):
-        for i in range(n):
-            extra = torch.arange(start + t, start + t + i)[i - 1:]  # a draft: its own slot
-            cols = torch.cat([torch.arange(start, start + t), extra])
-            mask = torch.cat([seq.kv_valid, torch.ones(hkv, len(extra), dtype=torch.bool,
-                                                       device=on_device)], 1)
-            close_to_truth_here(got[r * n + i], brute(q[r * n + i].float(), kc[:, cols].float(),
-                                                      vc[:, cols].float(), mask), dtype,
-                                [vc[:, cols]])
+    # (the kernel reads a window where it lies)
+    check_slabs(new, ref, g, SLAB_LAYOUTS["apart"], t, slots, drafts, dtype, on_device,
+                close_to_truth_here)
 
 
 @pytest.mark.parametrize("d", [16, 64, 80])  # 80: a head dim the tile pads (to 128)
