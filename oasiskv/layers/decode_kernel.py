@@ -10,12 +10,13 @@ request. The one binary runs on any x86-64 CPU: its loops are compiled for AVX-5
 and the baseline and chosen by CPUID at run time.
 
 Where it cannot be built or loaded (no compiler, no ninja, a build error) attention warns once
-and decodes with `layers/gqa.py`, the same results to rounding. OASISKV_ATTENTION=kernel turns
-it on; gqa (the grouped matmul path, no build) is still the default. On a 2-core AMD EPYC
-(AVX-512, Zen 4), one thread, its loops on explicit vectors (scores W keys a vector, a vector
-exp, P.V in registers) run 1.2-1.7x faster than gqa in fp32 and 1.15-1.35x in bf16, level on
-bf16 sparse slabs side by side, ~8 GB/s per thread; still compute-bound (the scores' FMAs and
-lane reductions). The default waits for a two-thread comparison on a quiet machine.
+and decodes with `layers/gqa.py`, the same results to rounding. It is the default on the CPU;
+OASISKV_ATTENTION=gqa chooses the grouped matmul path (no build). Its loops run on explicit
+vectors (scores W keys a vector, a vector exp, P.V in registers). On a 2-core AMD EPYC (AVX-512,
+Zen 4), two threads, bf16, ms per layer call (`scripts/bench_attention.py --rounds 5`, one run,
+docs/results/2026-12-07-decode-kernel.md): dense 7K x1 0.40 vs gqa 0.62, dense 7K x6 2.24 vs
+4.40, sparse K=128 x6 slabs 0.90 vs 1.10 (side by side) and 1.62 (apart); still compute-bound
+(~14 GB/s for two threads: the scores' FMAs and lane reductions).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ LDFLAGS = ["-fopenmp"]
 _loaded: dict[Path, ModuleType | None] = {}
 
 
-DEFAULT = "gqa"  # until the kernel is measured faster on every shape (see the note above)
+DEFAULT = "kernel"  # measured faster than gqa on every decode shape (see the note above)
 
 
 def wanted() -> bool:

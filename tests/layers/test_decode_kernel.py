@@ -37,7 +37,7 @@ def close_to_reference(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype
 
 @pytest.fixture(autouse=True)
 def kernel_on(monkeypatch):
-    """The kernel is opt-in (OASISKV_ATTENTION=kernel) until it is the faster path."""
+    """The kernel, whatever the environment says (it is the default: OASISKV_ATTENTION unset)."""
     monkeypatch.setenv(decode_kernel.ENV, "kernel")
 
 
@@ -277,13 +277,14 @@ def test_falls_back_to_gqa_with_one_warning_when_the_kernel_cannot_build(tmp_pat
     close_to_reference(got, run(ref, *inputs), torch.float32)
 
 
-@pytest.mark.parametrize("value", ["gqa", None], ids=["gqa", "unset (the default)"])
-def test_the_environment_picks_gqa_or_refuses_a_bad_value(monkeypatch, value):
+def test_the_kernel_is_the_default(monkeypatch):
+    monkeypatch.delenv(decode_kernel.ENV)
+    assert decode_kernel.wanted()
+
+
+def test_the_environment_picks_gqa_or_refuses_a_bad_value(monkeypatch):
     monkeypatch.setattr(decode_kernel, "_loaded", {})
-    if value is None:
-        monkeypatch.delenv(decode_kernel.ENV)
-    else:
-        monkeypatch.setenv(decode_kernel.ENV, value)
+    monkeypatch.setenv(decode_kernel.ENV, "gqa")
     assert decode_kernel.extension() is None and decode_kernel._loaded == {}  # nothing built
     g = torch.Generator().manual_seed(2)
     new, _, inputs, _ = drafts_case(torch.bfloat16, 7, "one run", "own", g)
