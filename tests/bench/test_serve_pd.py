@@ -113,7 +113,8 @@ def test_the_pd_server_kind_is_pd_serve_with_the_threads_shared_out():
     assert cmd[i:i + 4] == ["pd", "--serve", "--kv-mode", "sparse"]
     flags = dict(zip(cmd[i + 4::2], cmd[i + 5::2], strict=True))
     assert flags == {"--model": "m", "--host": "127.0.0.1", "--port": "1234",
-                     "--dtype": "bfloat16", "--device-kv-budget": "1GiB", "--max-num-seqs": "4",
+                     "--dtype": "bfloat16", "--device": "cpu", "--device-kv-budget": "1GiB",
+                     "--max-num-seqs": "4",
                      "--num-threads": "2",  # 8 threads over 1 prefill + 3 decode workers
                      "--transfer": "slab", "--top-k": "2", "--f-host": "0.2",
                      "--decode-workers": "3"}

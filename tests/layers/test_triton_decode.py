@@ -26,7 +26,7 @@ from test_decode_kernel import (
 from triton_interp import triton_device  # noqa: F401 (the fixture)
 
 from oasiskv.context import SeqAttention
-from oasiskv.layers import triton_attention, triton_kernels
+from oasiskv.layers import decode_kernel, triton_attention, triton_kernels
 from oasiskv.layers.attention import Attention, GqaAttention
 
 D = 16
@@ -180,6 +180,7 @@ def test_cuda_only_and_the_environment_picks_torch_or_refuses_a_bad_value(monkey
         assert Attention(2, 1, D, 1.0)._triton(q.to(on_device)) is not None
     assert triton_kernels.load("decode") is not None
     monkeypatch.setenv(triton_kernels.ENV, "torch")
+    monkeypatch.setenv(decode_kernel.ENV, "gqa")  # the PyTorch path: on the CPU, gqa's
     assert triton_kernels.load("decode") is None
     assert Attention(2, 1, D, 1.0)._triton(q.to(on_device)) is None
     g = torch.Generator().manual_seed(2)
