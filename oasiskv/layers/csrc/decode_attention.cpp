@@ -153,35 +153,29 @@ OASIS_INLINE typename Vec<W>::f vexp(typename Vec<W>::f x) {
 
 #define OASIS_SHUF __builtin_shufflevector
 
+// Adjacent lanes of a and b summed pairwise within 128-bit blocks (hadd): lane 2i of each block
+// gets a's pair i, lane 2i+1 b's
+template <int W>
+OASIS_INLINE typename Vec<W>::f pair_sums(typename Vec<W>::f a, typename Vec<W>::f b) {
+  if constexpr (W == 16)
+    return OASIS_SHUF(a, b, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
+           OASIS_SHUF(a, b, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
+  else if constexpr (W == 8)
+    return OASIS_SHUF(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+           OASIS_SHUF(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+  else
+    return OASIS_SHUF(a, b, 0, 2, 4, 6) + OASIS_SHUF(a, b, 1, 3, 5, 7);
+}
+
 // r[k] = the sum of v[k]'s lanes, k < W: adjacent lanes paired (hadd) within 128-bit blocks,
 // then the blocks summed across; the shuffles pair what the instruction sets pair cheaply
 template <int W>
 OASIS_INLINE typename Vec<W>::f hsums(const typename Vec<W>::f* v) {
   using F = typename Vec<W>::f;
   F g[W / 4];
-  for (int m = 0; m < W / 4; ++m) {  // g[m]: block k, lane i = block k of v[4m + i]
-    F h[2];
-    for (int j = 0; j < 2; ++j) {
-      const F a = v[4 * m + 2 * j], b = v[4 * m + 2 * j + 1];
-      if constexpr (W == 16)
-        h[j] = OASIS_SHUF(a, b, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
-               OASIS_SHUF(a, b, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
-      else if constexpr (W == 8)
-        h[j] = OASIS_SHUF(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
-               OASIS_SHUF(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
-      else
-        h[j] = OASIS_SHUF(a, b, 0, 2, 4, 6) + OASIS_SHUF(a, b, 1, 3, 5, 7);
-    }
-    const F a = h[0], b = h[1];
-    if constexpr (W == 16)
-      g[m] = OASIS_SHUF(a, b, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
-             OASIS_SHUF(a, b, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
-    else if constexpr (W == 8)
-      g[m] = OASIS_SHUF(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
-             OASIS_SHUF(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
-    else
-      g[m] = OASIS_SHUF(a, b, 0, 2, 4, 6) + OASIS_SHUF(a, b, 1, 3, 5, 7);
-  }
+  for (int m = 0; m < W / 4; ++m)  // g[m]: block k, lane i = block k of v[4m + i]
+    g[m] = pair_sums<W>(pair_sums<W>(v[4 * m], v[4 * m + 1]),
+                        pair_sums<W>(v[4 * m + 2], v[4 * m + 3]));
   if constexpr (W == 16) {  // blocks (0+2, 1+3) of g0, g1 and of g2, g3, then (0+1) of each
     const F e0 = OASIS_SHUF(g[0], g[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
                  OASIS_SHUF(g[0], g[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
