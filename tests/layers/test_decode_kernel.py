@@ -6,12 +6,12 @@ attention over expanded K/V: dense (one run, runs out of order), sparse masks, d
 (log-sum-exp merge), with each instruction set this CPU runs; and the fallback to
 `layers/gqa.py` when the kernel cannot be built."""
 
-import math
 import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
+from test_gqa import brute  # the float64 truth, one copy
 
 from oasiskv.context import SeqAttention, StepContext, set_context
 from oasiskv.layers import decode_kernel, kernel_attention
@@ -81,20 +81,6 @@ def run(layer: Attention, q, k, v, seqs: list[SeqAttention]) -> torch.Tensor:
         set_context(None)
 
 
-def brute(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-          visible: torch.Tensor | None) -> torch.Tensor:
-    """float64, each query head against its KV head's expanded copy: q [H, d], keys/values
-    [Hkv, T, d], visible [Hkv, T] -> [H*d]."""
-    h = q.shape[0]
-    group = h // keys.shape[0]
-    k = keys.double().repeat_interleave(group, 0)  # [H, T, d]
-    s = torch.einsum("hd,htd->ht", q.double(), k) / math.sqrt(q.shape[1])
-    if visible is not None:
-        s = s.masked_fill(~visible.repeat_interleave(group, 0), float("-inf"))
-    return torch.einsum("ht,htd->hd", s.softmax(-1),
-                        values.double().repeat_interleave(group, 0)).flatten()
-
-
 def layout(kind: str, t: int, first: int) -> tuple[dict, torch.Tensor]:
     """SeqAttention fields placing t token slots from `first` on, and those slots in order."""
     if kind == "one run":
@@ -113,25 +99,40 @@ def layout(kind: str, t: int, first: int) -> tuple[dict, torch.Tensor]:
 def test_decode_equals_reference_and_brute_force(ext, dtype, hkv, group, kind, masked, threads):
     g = torch.Generator().manual_seed(hkv * 10 + group)
     new, ref = layers(hkv, group, dtype, g)
+    check_decodes(new, ref, g, kind, masked, [2, 7, 37, 173, 301], dtype)
+
+
+def truth_of_row(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype,
+                 _values: list[torch.Tensor]) -> None:
+    """The check helpers' default brute-force check (values: the V rows the row weighs)."""
+    close_to_truth(got, want, dtype)
+
+
+def check_decodes(new: Attention, ref: Attention, g: torch.Generator, kind: str, masked: bool,
+                  lengths: list[int], dtype: torch.dtype, device: str = "cpu",
+                  truth: Callable = truth_of_row) -> None:
+    """One decode per length (its K/V laid out as `kind`, masked or not) in new's device pool:
+    new equals ref and a float64 brute force per row."""
+    hkv, group = new.num_kv_heads, new.num_heads // new.num_kv_heads
     seqs, visible, first = [], [], 0
-    for r, t in enumerate([2, 7, 37, 173, 301]):  # odd lengths, one request each
+    for r, t in enumerate(lengths):  # odd lengths, one request each
         fields, slots = layout(kind, t, first)
         first += t
         valid = None
         if masked:
             valid = torch.rand(hkv, t, generator=g) > 0.4
             valid[:, -1] = True  # every head sees something
+            valid = valid.to(device)
         seqs.append(SeqAttention(r, r + 1, t, kv_slots=None, kv_valid=valid, **fields))
         visible.append((slots, valid))
-    q = torch.randn(len(seqs), hkv * group, D, generator=g).to(dtype)
-    k, v = (torch.randn(len(seqs), hkv, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(len(seqs), hkv * group, D, generator=g).to(device, dtype)
+    k, v = (torch.randn(len(seqs), hkv, D, generator=g).to(device, dtype) for _ in range(2))
     got, want = run(new, q, k, v, seqs), run(ref, q, k, v, seqs)
     close_to_reference(got, want, dtype)
     kc, vc = new.pools["device"]
     for r, (slots, valid) in enumerate(visible):
-        close_to_truth(got[r], brute(q[r].float(), kc[:, slots].float(), vc[:, slots].float(),
-                                     valid), dtype)
-
+        truth(got[r], brute(q[r].float(), kc[:, slots].float(), vc[:, slots].float(), valid),
+              dtype, [vc[:, slots]])
 
 def drafts_case(dtype, group, kind, masks, g, hkv=2, t=45, m=3, d=D, device="cpu"):
     """One request with m drafts; the truth row by row (a draft's own K/V one more slot).
@@ -181,12 +182,10 @@ def test_draft_rows_equal_reference_and_brute_force(ext, dtype, group, kind, mas
 
 def check_slabs(new: Attention, ref: Attention, g: torch.Generator, starts: list[int], t: int,
                 slots: int, drafts: int, dtype: torch.dtype, device: str = "cpu",
-                truth: Callable | None = None) -> None:
+                truth: Callable = truth_of_row) -> None:
     """Sparse slabs of t tokens at `starts` in new's device pool (masks, `drafts` draft rows,
     their K/V in the draft slots as the runner leaves them): new equals ref and a float64 brute
-    force per row. truth(got, want, dtype, values): the brute-force check (default
-    close_to_truth; values: the V rows the row weighs)."""
-    truth = truth or (lambda got, want, dtype, _values: close_to_truth(got, want, dtype))
+    force per row (`truth`)."""
     hkv, group = new.num_kv_heads, new.num_heads // new.num_kv_heads
     n = 1 + drafts
     q = torch.randn(len(starts) * n, hkv * group, D, generator=g).to(device, dtype)

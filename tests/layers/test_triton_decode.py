@@ -14,13 +14,12 @@ import pytest
 import torch
 from test_decode_kernel import (
     SLAB_LAYOUTS,
-    brute,
+    check_decodes,
     check_slabs,
     close_to_reference,
     close_to_truth,
     drafts_case,
     layers,
-    layout,
     run,
 )
 from triton_interp import triton_device  # noqa: F401 (the fixture)
@@ -78,25 +77,8 @@ def test_decode_equals_reference_and_brute_force(dtype, hkv, group, kind, masked
                                                  on_device):
     g = torch.Generator().manual_seed(hkv * 10 + group)
     new, ref = layers(hkv, group, dtype, g, TritonAttention, device=on_device)
-    seqs, visible, first = [], [], 0
-    for r, t in enumerate([2, 7, 37, 53]):  # odd lengths, one request each
-        fields, slots = layout(kind, t, first)
-        first += t
-        valid = None
-        if masked:
-            valid = torch.rand(hkv, t, generator=g) > 0.4
-            valid[:, -1] = True  # every head sees something
-            valid = valid.to(on_device)
-        seqs.append(SeqAttention(r, r + 1, t, kv_slots=None, kv_valid=valid, **fields))
-        visible.append((slots, valid))
-    q = torch.randn(len(seqs), hkv * group, D, generator=g).to(on_device, dtype)
-    k, v = (torch.randn(len(seqs), hkv, D, generator=g).to(on_device, dtype) for _ in range(2))
-    got, want = run(new, q, k, v, seqs), run(ref, q, k, v, seqs)
-    close_to_reference(got, want, dtype)
-    kc, vc = new.pools["device"]
-    for r, (slots, valid) in enumerate(visible):
-        close_to_truth_here(got[r], brute(q[r].float(), kc[:, slots].float(),
-                                          vc[:, slots].float(), valid), dtype, [vc[:, slots]])
+    check_decodes(new, ref, g, kind, masked, [2, 7, 37, 53], dtype, on_device,
+                  close_to_truth_here)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
