@@ -103,19 +103,17 @@ class SparseLayerHooks:
         # the predicting rows (lookahead: the drafts', their mean weighted by each one's
         # chance of being taken, greedy: the first; previous: the step's own)
         rows = self.predictor.query_rows([d.attn for d in decodes])
-        weights = [d.seq.draft_weights for d in decodes]
-        if len({len(r) for r in rows}) == 1:  # one gather for the batch (a copy: jobs keep it)
-            # rows and weights are the same in every layer: on the device once a step (a
-            # tensor from Python data each layer would stop the host on CUDA, every layer)
-            key = ("rows", *map(id, decodes))
-            if key not in self._batches:
-                self._batches[key] = tuple(upload(t, q.device) for t in (
-                    torch.tensor(rows), draft_weights(weights, len(rows[0]))))
-            index, w = self._batches[key]
-            queries = mixed_queries(q[index], w)  # [R, H, d]
-        else:
-            queries = torch.cat([mixed_queries(q[r][None], [w])
-                                 for r, w in zip(rows, weights, strict=True)])
+        # rows and weights are the same in every layer: on the device once a step (a tensor
+        # from Python data each layer would stop the host on CUDA, every layer); requests
+        # with fewer rows repeat their first at weight 0, so the batch is one gather
+        key = ("rows", *map(id, decodes))
+        if key not in self._batches:
+            m = max(map(len, rows))
+            self._batches[key] = tuple(upload(t, q.device) for t in (
+                torch.tensor([r + r[:1] * (m - len(r)) for r in rows]),
+                draft_weights([d.seq.draft_weights for d in decodes], m, list(map(len, rows)))))
+        index, w = self._batches[key]
+        queries = mixed_queries(q[index], w)  # [R, H, d]
         for d in decodes:
             d.seq.working_set.primed[layer] = True
         self._deferred.append((layer, decodes, queries))

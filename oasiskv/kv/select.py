@@ -159,9 +159,13 @@ def rerank_by_mass(scores: torch.Tensor, q: torch.Tensor, keys_of: Callable[[tor
     return torch.full_like(scores, float("-inf")).scatter_(-1, top.indices, mass)
 
 
-def draft_weights(weights: list[list[float] | None], m: int) -> torch.Tensor:
-    """mixed_queries' weights [R, m] (float32, on the host) of one list per request."""
-    return torch.tensor([ws or [1.0] * m for ws in weights], dtype=torch.float32)
+def draft_weights(weights: list[list[float] | None], m: int,
+                  counts: list[int] | None = None) -> torch.Tensor:
+    """mixed_queries' weights [R, m] (float32, on the host) of one list per request (None:
+    equal weights) over its counts[r] rows (default m); the rows past them weigh 0."""
+    counts = counts or [m] * len(weights)
+    return torch.tensor([(ws or [1.0] * n) + [0.0] * (m - n)
+                         for ws, n in zip(weights, counts, strict=True)], dtype=torch.float32)
 
 
 def mixed_queries(queries: torch.Tensor,

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 import oasiskv.prefetch.executor as executor_mod
 from oasiskv import LLM, SamplingParams
-from oasiskv.kv import rerank, select, summaries
+from oasiskv.kv import rerank, select, select_jobs, summaries
 
 T = torch.Tensor
 READ_BACKS = {T.item, T.tolist, T.numpy, T.cpu, T.__int__, T.__float__, T.__bool__,
@@ -103,6 +103,8 @@ def stage_syncs(monkeypatch, llm_kwargs: dict, prompts: list[list[int]]) -> list
         real(stage, in_mode, after, handle, tracer, label)
 
     monkeypatch.setattr(executor_mod, "_run", watched)
+    # the CUDA path: on the CPU the local stage reads the admissions back (nothing to stall)
+    monkeypatch.setattr(select_jobs, "compacts", lambda device: False)
     llm = LLM(**llm_kwargs)
     out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                        use_tqdm=False)

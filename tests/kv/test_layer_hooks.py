@@ -80,6 +80,27 @@ def test_after_attention_hands_on_the_predicting_query(predictor, draft_rows, wa
     torch.testing.assert_close(queries, q[want].mean(0, keepdim=True))
 
 
+def test_requests_with_unequal_drafts_mix_their_own_rows():
+    """Three requests in one batch: drafts on rows 1-3 weighted 0.5/0.3/0.2, none (its own
+    row 4), two drafts on rows 6-7 with equal weights: each query is its own rows' weighted
+    mean, as if each request were alone (hand-computed)."""
+    kv = make_kv(predictor="lookahead")
+    q = torch.arange(16.0).view(8, 2, 1)
+    attns = [SeqAttention(0, 1, 6, 6, None, draft_rows=[1, 2, 3]),
+             SeqAttention(4, 5, 6, 6, None, draft_rows=[]),
+             SeqAttention(5, 6, 6, 6, None, draft_rows=[6, 7])]
+    weights = [[0.5, 0.3, 0.2], None, None]
+    decodes = []
+    for attn, w in zip(attns, weights, strict=True):
+        decode_with(kv, 4, attn, [[[1, 0], [-1, 1]]]).draft_weights = w
+        decodes += kv._decodes
+    kv._decodes = decodes
+    kv.after_attention(0, q)
+    [(_, _, queries)] = kv._deferred
+    want = torch.stack([0.5 * q[1] + 0.3 * q[2] + 0.2 * q[3], q[4], (q[6] + q[7]) / 2])
+    torch.testing.assert_close(queries, want)
+
+
 def test_a_critical_path_predictor_hands_on_nothing():
     kv = make_kv(predictor="exact")
     decode_with(kv, 4, SeqAttention(0, 1, 6, 6, None), [[[1, 0], [-1, 1]]])

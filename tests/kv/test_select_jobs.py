@@ -7,6 +7,7 @@ import torch
 
 from oasiskv import LLM, SamplingParams
 from oasiskv.config import CacheConfig
+from oasiskv.kv import select_jobs
 from oasiskv.kv.blocks import BlockPool
 from oasiskv.kv.scorers import QuestBound
 from oasiskv.kv.summaries import round_outward
@@ -198,3 +199,22 @@ def test_the_engine_compiles_the_scoring_before_its_first_step(tiny_llama, prefe
     run(llm, prompts[3:4])  # alone
     run(llm, prompts[4:])  # unequal: each request's summaries on their own
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_the_compacted_copy_fills_the_slabs_as_the_fixed_size_copy(tiny_llama, monkeypatch):
+    """The local stage on the CPU copies only the admitted block-heads; on CUDA every
+    candidate, the others writing their slot's own rows back. Same tokens, same slabs, same
+    traffic (K = 3 with a cap of 1: misses held back, so candidates are left out)."""
+    kw = dict(kv_mode="sparse", top_k=3, f_hbm=0.34, prefetch="sync", max_num_seqs=4)
+    prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(90 + 20 * i)] for i in range(4)]
+    results = []
+    for compact in (True, False):
+        monkeypatch.setattr(select_jobs, "compacts", lambda device, c=compact: c)
+        llm = LLM(str(tiny_llama), **kw)
+        tokens, _, stats = run(llm, prompts)
+        results.append((tokens, llm.engine.sparse.device_kv.clone(),
+                        {k: stats[k] for k in COUNTERS}))
+    (tokens, slabs, counts), (ref_tokens, ref_slabs, ref_counts) = results
+    assert counts["sparse_wanted"] > counts["sparse_admitted"] > 0  # some were left out
+    assert tokens == ref_tokens and counts == ref_counts
+    assert torch.equal(slabs, ref_slabs)
