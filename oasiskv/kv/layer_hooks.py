@@ -77,18 +77,20 @@ class SparseLayerHooks:
         if not self._decodes:
             return
         # masks for the whole batch at once: slot k of head g is valid when it holds a block;
-        # the active block's tokens up to this step's position
+        # the active block's tokens up to this step's position. One buffer a step, each
+        # request's mask a view of it (attention reads them), rewritten layer by layer
         resident = torch.stack([d.seq.working_set.head_map[layer] for d in self._decodes]) >= 0
         R, K, hkv = resident.shape  # [R, K, Hkv]
-        if "active" not in self._batches:  # once a step: built on the host, then uploaded
+        if "masks" not in self._batches:  # once a step: the active part built on the host
             filled = torch.tensor([d.pos % B for d in self._decodes])
-            self._batches["active"] = upload(torch.arange(B) <= filled[:, None],
-                                             resident.device)
-        active = self._batches["active"]  # [R, B]
-        valid = torch.cat([resident.transpose(1, 2)[..., None].expand(R, hkv, K, B)
-                           .reshape(R, hkv, K * B), active[:, None].expand(R, hkv, B)], dim=2)
-        for d, mask in zip(self._decodes, valid, strict=True):
-            d.attn.kv_valid = mask  # [Hkv, (K+1)*B]
+            active = upload(torch.arange(B) <= filled[:, None], resident.device)  # [R, B]
+            masks = torch.empty(R, hkv, (K + 1) * B, dtype=torch.bool, device=resident.device)
+            masks[..., K * B:] = active[:, None]
+            for d, mask in zip(self._decodes, masks, strict=True):
+                d.attn.kv_valid = mask  # [Hkv, (K+1)*B]
+            self._batches["masks"] = masks
+        self._batches["masks"][..., :K * B].view(R, hkv, K, B).copy_(
+            resident.transpose(1, 2)[..., None].expand(R, hkv, K, B))
 
     def after_attention(self, layer: int, q: torch.Tensor) -> None:
         """After layer `layer`'s attention has read the slab: submits the prediction of the
