@@ -253,10 +253,10 @@ OASIS_INLINE typename Vec<W>::f tokens(const uint8_t* row, int64_t t0, int64_t B
   }
 }
 
-// Logits of GC query heads (q rows, stride d) for tokens [t0, t0 + W) of one block, unscaled
+// Logits of GC query heads (q rows, stride d) for tokens [t0, t0 + W) of one block, times sc
 template <int W, int GC, bool NIB>
-OASIS_INLINE void head_logits(const uint8_t* blk, const float* q, const Args& a, int64_t t0,
-                              float* out) {
+OASIS_INLINE void head_logits(const uint8_t* blk, const float* q, float sc, const Args& a,
+                              int64_t t0, float* out) {
   using F = typename Vec<W>::f;
   const int64_t d = a.d, rb = a.row_bytes, B = a.B;
   F a0[GC], a1[GC];
@@ -274,20 +274,21 @@ OASIS_INLINE void head_logits(const uint8_t* blk, const float* q, const Args& a,
     const F x0 = tokens<W, NIB>(blk + r * rb, t0, B);
     for (int g = 0; g < GC; ++g) a0[g] += x0 * q[g * d + r];
   }
-  for (int g = 0; g < GC; ++g) vstore<W>(out + g * B + t0, a0[g] + a1[g]);
+  for (int g = 0; g < GC; ++g) vstore<W>(out + g * B + t0, (a0[g] + a1[g]) * sc);
 }
 
 template <int W, bool NIB>
-OASIS_INLINE void block_logits(const uint8_t* blk, const float* q, const Args& a, float* lg) {
+OASIS_INLINE void block_logits(const uint8_t* blk, const float* q, float sc, const Args& a,
+                              float* lg) {
   for (int64_t g0 = 0; g0 < a.G; g0 += GC_MAX) {
     const int64_t gc = std::min<int64_t>(GC_MAX, a.G - g0);
     for (int64_t t0 = 0; t0 < a.B; t0 += W) {
       const float* qg = q + g0 * a.d;
       float* o = lg + g0 * a.B;
-      if (gc == 4) head_logits<W, 4, NIB>(blk, qg, a, t0, o);
-      else if (gc == 3) head_logits<W, 3, NIB>(blk, qg, a, t0, o);
-      else if (gc == 2) head_logits<W, 2, NIB>(blk, qg, a, t0, o);
-      else head_logits<W, 1, NIB>(blk, qg, a, t0, o);
+      if (gc == 4) head_logits<W, 4, NIB>(blk, qg, sc, a, t0, o);
+      else if (gc == 3) head_logits<W, 3, NIB>(blk, qg, sc, a, t0, o);
+      else if (gc == 2) head_logits<W, 2, NIB>(blk, qg, sc, a, t0, o);
+      else head_logits<W, 1, NIB>(blk, qg, sc, a, t0, o);
     }
   }
 }
@@ -314,77 +315,126 @@ OASIS_INLINE void prefetch_block(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
 }
 
-// Groups [lo, hi). W 0: the scalar loops. buf: [G, B] logits, then [2, G, c] each block's max
-// and sum per query head, then [c] the mass
+// Adjacent lanes of a and b summed pairwise within 128-bit blocks (hadd): lane 2i of each block
+// gets a's pair i, lane 2i+1 b's (as decode_attention.cpp's)
+template <int W>
+OASIS_INLINE typename Vec<W>::f pair_sums(typename Vec<W>::f a, typename Vec<W>::f b) {
+  if constexpr (W == 16)
+    return OASIS_SHUF(a, b, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
+           OASIS_SHUF(a, b, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
+  else if constexpr (W == 8)
+    return OASIS_SHUF(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+           OASIS_SHUF(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+  else
+    return OASIS_SHUF(a, b, 0, 2, 4, 6) + OASIS_SHUF(a, b, 1, 3, 5, 7);
+}
+
+// r[k] = the sum of v[k]'s lanes, k < W (as decode_attention.cpp's): W blocks' sums at the
+// cost of about two operations a vector, where one vector's sum alone costs eight
+template <int W>
+OASIS_INLINE typename Vec<W>::f hsums(const typename Vec<W>::f* v) {
+  using F = typename Vec<W>::f;
+  F g[W / 4];
+  for (int m = 0; m < W / 4; ++m)  // g[m]: block k, lane i = block k of v[4m + i]
+    g[m] = pair_sums<W>(pair_sums<W>(v[4 * m], v[4 * m + 1]),
+                        pair_sums<W>(v[4 * m + 2], v[4 * m + 3]));
+  if constexpr (W == 16) {
+    const F e0 = OASIS_SHUF(g[0], g[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 OASIS_SHUF(g[0], g[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                            30, 31);
+    const F e1 = OASIS_SHUF(g[2], g[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 OASIS_SHUF(g[2], g[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                            30, 31);
+    return OASIS_SHUF(e0, e1, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           OASIS_SHUF(e0, e1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  } else if constexpr (W == 8) {
+    return OASIS_SHUF(g[0], g[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           OASIS_SHUF(g[0], g[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  } else {
+    return g[0];
+  }
+}
+
+// Groups [lo, hi), in two passes each. 1: the real candidates' scaled logits [c, G, B] (a
+// block's codes read once, the next ones prefetched). 2: per query head, its max M over all of
+// them, each block's s = sum_b exp(logit - M) (W blocks' sums at once), its share s / sum s
+// added to the block's mass. (Per block a max, an exp and two sums would be a chain of ~100
+// dependent operations a block and head: half the time, measured.) W 0: the scalar loops.
 template <int W, bool NIB>
 OASIS_INLINE void run_groups(const Args& a, int64_t lo, int64_t hi) {
   const int64_t c = a.c, G = a.G, B = a.B, d = a.d, block = d * a.row_bytes;
-  std::vector<float> buf(G * B + 2 * G * c + c);
-  float* lg = buf.data();
-  float* mx = lg + G * B;  // [G, c]
-  float* sm = mx + G * c;  // [G, c]
-  float* mass = sm + G * c;
+  const int64_t cw = W ? (c + W - 1) / W * W : c;  // c padded to whole vectors
+  std::vector<float> buf(c * G * B + 2 * cw);
+  float* lg = buf.data();     // [c, G, B] the real candidates' logits, scaled
+  float* sum = lg + c * G * B;  // [cw] each block's s for one head
+  float* mass = sum + cw;       // [cw]
   for (int64_t n = lo; n < hi; ++n) {
     const int64_t* rows = a.rows + n * c;
     const float* scale = a.scale + n * c;
     const bool* real = a.real + n * c;
     const float* q = a.q + n * G * d;
-    int64_t next = 0;  // the next real candidate not yet prefetched
+    int64_t next = 0;  // the next candidate not yet prefetched
+    bool any = false;
     for (int64_t i = 0; i < c; ++i) {
-      if (!real[i]) {
-        for (int64_t g = 0; g < G; ++g) mx[g * c + i] = NEG_INF, sm[g * c + i] = 0.0f;
-        continue;
-      }
+      if (!real[i]) continue;
+      any = true;
       for (next = std::max(next, i + 1); next < c && next <= i + AHEAD; ++next)
         if (real[next]) prefetch_block(a.pool + rows[next] * block, block);
       const uint8_t* blk = a.pool + rows[i] * block;
-      const float sc = scale[i];
+      float* l = lg + i * G * B;
+      const float sc = scale[i];  // logits * scale, as _mass
       if constexpr (W == 0) {
-        block_logits_scalar(blk, q, a, lg);
-        for (int64_t g = 0; g < G; ++g) {
-          float m = NEG_INF, s = 0.0f;
-          for (int64_t t = 0; t < B; ++t) m = std::max(m, lg[g * B + t] * sc);
-          for (int64_t t = 0; t < B; ++t) s += fexp(lg[g * B + t] * sc - m);
-          mx[g * c + i] = m, sm[g * c + i] = s;
+        block_logits_scalar(blk, q, a, l);
+        for (int64_t k = 0; k < G * B; ++k) l[k] *= sc;
+      } else {
+        block_logits<W, NIB>(blk, q, sc, a, l);
+      }
+    }
+    float* out = a.out + n * c;
+    if (!any) {
+      std::fill(out, out + c, NEG_INF);
+      continue;
+    }
+    std::fill(mass, mass + c, 0.0f);
+    for (int64_t g = 0; g < G; ++g) {
+      float top = NEG_INF;
+      if constexpr (W == 0) {
+        for (int64_t i = 0; i < c; ++i)
+          if (real[i])
+            for (int64_t t = 0; t < B; ++t) top = std::max(top, lg[(i * G + g) * B + t]);
+        for (int64_t i = 0; i < c; ++i) {
+          float s = 0.0f;
+          if (real[i])
+            for (int64_t t = 0; t < B; ++t) s += fexp(lg[(i * G + g) * B + t] - top);
+          sum[i] = s;
         }
       } else {
         using F = typename Vec<W>::f;
-        block_logits<W, NIB>(blk, q, a, lg);
-        for (int64_t g = 0; g < G; ++g) {  // logits * scale, as _mass (then its max)
-          const float* l = lg + g * B;
-          F m = vload<W>(l) * sc;
-          for (int64_t t = W; t < B; t += W) {
-            const F x = vload<W>(l + t) * sc;
-            m = m > x ? m : x;
+        F m = F{} + NEG_INF;
+        for (int64_t i = 0; i < c; ++i)
+          if (real[i])
+            for (int64_t t = 0; t < B; t += W) {
+              const F x = vload<W>(lg + (i * G + g) * B + t);
+              m = m > x ? m : x;
+            }
+        top = all_max<W>(m)[0];
+        for (int64_t i0 = 0; i0 < c; i0 += W) {
+          F e[W];
+          for (int k = 0; k < W; ++k) {
+            const int64_t i = i0 + k;
+            e[k] = F{};
+            if (i < c && real[i])
+              for (int64_t t = 0; t < B; t += W)
+                e[k] += vexp<W>(vload<W>(lg + (i * G + g) * B + t) - top);
           }
-          m = all_max<W>(m);
-          F s = F{};
-          for (int64_t t = 0; t < B; t += W) s += vexp<W>(vload<W>(l + t) * sc - m);
-          mx[g * c + i] = m[0], sm[g * c + i] = all_sum<W>(s)[0];
+          vstore<W>(sum + i0, hsums<W>(e));
         }
       }
-    }
-    // per query head a softmax over the real candidates' tokens: block i's share is
-    // s_i exp(m_i - max_j m_j) / sum_j s_j exp(m_j - max m), summed over the heads
-    std::fill(mass, mass + c, 0.0f);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* m = mx + g * c;
-      float* s = sm + g * c;  // becomes s_i exp(m_i - max m)
-      const float top = *std::max_element(m, m + c);
-      if (top == NEG_INF) continue;  // no real candidate
-      int64_t i = 0;
-      if constexpr (W > 0) {
-        using F = typename Vec<W>::f;
-        for (; i + W <= c; i += W)
-          vstore<W>(s + i, vload<W>(s + i) * vexp<W>(vload<W>(m + i) - top));
-      }
-      for (; i < c; ++i) s[i] *= fexp(m[i] - top);
       float total = 0.0f;
-      for (i = 0; i < c; ++i) total += s[i];
+      for (int64_t i = 0; i < c; ++i) total += sum[i];
       const float inv = 1.0f / total;
-      for (i = 0; i < c; ++i) mass[i] += s[i] * inv;
+      for (int64_t i = 0; i < c; ++i) mass[i] += sum[i] * inv;
     }
-    float* out = a.out + n * c;
     for (int64_t i = 0; i < c; ++i) out[i] = real[i] ? mass[i] : NEG_INF;
   }
 }
