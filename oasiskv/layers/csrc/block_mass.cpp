@@ -390,6 +390,10 @@ OASIS_INLINE void run_groups(const Args& a, int64_t lo, int64_t hi) {
         block_logits<W, NIB>(blk, q, sc, a, l);
       }
     }
+    if (n + 1 < hi)  // the next group's first blocks on their way during this one's pass 2
+      for (int64_t i = 0, k = 0; i < c && k < AHEAD; ++i)
+        if (a.real[(n + 1) * c + i])
+          prefetch_block(a.pool + a.rows[(n + 1) * c + i] * block, block), ++k;
     float* out = a.out + n * c;
     if (!any) {
       std::fill(out, out + c, NEG_INF);
