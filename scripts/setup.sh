@@ -38,6 +38,11 @@ fi
 OASISKV_ATTENTION=kernel python -W error::RuntimeWarning -c \
   "from oasiskv.layers.decode_kernel import extension; extension()" \
   || echo "note: the decode-attention kernel did not build (see above)" >&2
+# The rerank's block-mass kernel (oasiskv/kv/block_mass.py), likewise; if it cannot be built,
+# the rerank warns and scores with the compiled PyTorch path
+OASISKV_RERANK=kernel python -W error::RuntimeWarning -c \
+  "from oasiskv.kv.block_mass import extension; extension()" \
+  || echo "note: the rerank's block-mass kernel did not build (see above)" >&2
 # llama.cpp, the CPU peer of `bench throughput --peer llamacpp`: pip compiles it (about 4-6
 # minutes on 2 cores; only the library, not its tools), without AMX, and again whenever the
 # installed build is not the one the script records (an older build may crash on AMX CPUs)

@@ -10,13 +10,17 @@ logits behind; the block scale multiplies the logits, not the keys. The copy is 
 ([d, B] per block): per dim, one vector of a block's B tokens times each of the G query
 heads' element, G accumulators over d, the form inductor vectorizes best (2.2x the pass over
 [B, d] blocks, whose products reduce across a vector; the host tier's keys have that layout).
-`select.rerank_by_mass` is the reference it matches (tests/kv/test_rerank.py)."""
+`select.rerank_by_mass` is the reference it matches (tests/kv/test_rerank.py). On the CPU the
+codes are scored by a hand-written kernel instead (`kv/block_mass.py`, the same function at
+about the memory's pace), where it builds; `candidate_mass_codes` stays its reference and
+fallback."""
 
 from __future__ import annotations
 
 import torch
 
 from oasiskv.compiled import compiled
+from oasiskv.kv import block_mass
 from oasiskv.kv.summaries import unpack_codes
 
 
@@ -127,16 +131,22 @@ def rerank_layers(scores: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, c:
     block_scale = scale.to(dev, torch.float32)[:, None, None, None].expand(top.indices.shape)
     if key_scales is not None:
         block_scale = key_scales[j, chosen, h] * block_scale
-    mass = (candidate_mass if key_scales is None else candidate_mass_codes)(
-        pool, rows, block_scale.contiguous(), qg.float().contiguous(),
-        (top.values > float("-inf")).to(dev))
+    args = (pool, rows, block_scale.contiguous(), qg.float().contiguous(),
+            (top.values > float("-inf")).to(dev))
+    if key_scales is None:
+        mass = candidate_mass(*args)
+    elif (ext := block_mass.serves(pool)) is not None:
+        mass = block_mass.candidate_mass_codes(ext, *args)
+    else:
+        mass = candidate_mass_codes(*args)
     return torch.full_like(scores, float("-inf")).scatter_(-1, top.indices,
                                                            mass.to(scores))
 
 
 def warm_up_rerank(keys: torch.Tensor, num_heads: int) -> None:
     """Compiles `candidate_mass` for the shapes selections pass (one layer or a run, one
-    request or several), so that no request's step waits for it. keys: a pool of the kind
+    request or several), or builds the CPU codes' kernel, so that no request's step waits for
+    it. keys: a pool of the kind
     the rerank reads (codes [layers, ids, Hkv, d, B or B/2] or float keys [..., B, d]), as in
     a step taken in inference mode; a size of 1 is a guard of the compiled code, so both are
     passed. The candidates are as many as no other size (dynamo gives equal sizes one symbol,

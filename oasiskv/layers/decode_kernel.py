@@ -17,6 +17,8 @@ Zen 4), two threads, bf16, ms per layer call (`scripts/bench_attention.py --roun
 docs/results/2026-12-07-decode-kernel.md): dense 7K x1 0.40 vs gqa 0.62, dense 7K x6 2.24 vs
 4.40, sparse K=128 x6 slabs 0.90 vs 1.10 (side by side) and 1.62 (apart); still compute-bound
 (~14 GB/s for two threads: the scores' FMAs and lane reductions).
+`load()` builds any source of csrc/ the same way (the rerank's `kv/block_mass.py` too), each
+source its own choice of environment and fallback.
 """
 
 from __future__ import annotations
@@ -47,11 +49,16 @@ DEFAULT = "kernel"  # measured faster than gqa on every decode shape (see the no
 
 
 def wanted() -> bool:
-    """OASISKV_ATTENTION: kernel or gqa (the default)."""
-    choice = os.environ.get(ENV, DEFAULT).strip().lower()
-    if choice not in CHOICES:
-        raise ValueError(f"{ENV}={choice!r}: expected one of {', '.join(CHOICES)}")
-    return choice == "kernel"
+    """OASISKV_ATTENTION: kernel (the default) or gqa."""
+    return choice(ENV, CHOICES, DEFAULT) == "kernel"
+
+
+def choice(env: str, choices: tuple[str, ...], default: str) -> str:
+    """The environment's choice among `choices` (a ValueError naming a bad value)."""
+    value = os.environ.get(env, default).strip().lower()
+    if value not in choices:
+        raise ValueError(f"{env}={value!r}: expected one of {', '.join(choices)}")
+    return value
 
 
 def build_dir(source: Path) -> Path:
@@ -59,7 +66,7 @@ def build_dir(source: Path) -> Path:
     key = hashlib.sha256("\0".join([source.read_text(), torch.__version__, sys.version,
                                     *FLAGS, *LDFLAGS]).encode()).hexdigest()[:16]
     root = Path(os.environ.get("OASISKV_CACHE", Path.home() / ".cache" / "oasiskv"))
-    return root / "ext" / f"decode_attention_{key}"
+    return root / "ext" / f"{source.stem}_{key}"
 
 
 def extension(source: Path | None = None) -> ModuleType | None:
@@ -67,7 +74,13 @@ def extension(source: Path | None = None) -> ModuleType | None:
     when OASISKV_ATTENTION=gqa or the build or load fails (warned once per source)."""
     if not wanted():
         return None
-    source = source or SOURCE
+    return load(source or SOURCE, "the decode-attention kernel", "decoding with layers/gqa.py")
+
+
+def load(source: Path, what: str, instead: str) -> ModuleType | None:
+    """A C++ source in csrc/ built with this module's flags (cached on disk and here) and
+    loaded; None where it cannot be built or loaded, with one warning per source ("`what`
+    could not be built or loaded (why); `instead`"). The module must define isas()."""
     if source in _loaded:
         return _loaded[source]
     _loaded[source] = None  # a failure is not retried: one warning
@@ -82,9 +95,8 @@ def extension(source: Path | None = None) -> ModuleType | None:
         ext.isas()  # the module answers
     except Exception as e:  # any failure of a native build falls back, never fails the run
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        warnings.warn(f"the decode-attention kernel could not be built or loaded ({reason}); "
-                      "decoding with layers/gqa.py", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(f"{what} could not be built or loaded ({reason}); {instead}",
+                      RuntimeWarning, stacklevel=3)
         return None
     _loaded[source] = ext
     return ext

@@ -3,11 +3,12 @@ against the reference: `select.rerank_by_mass` layer by layer over keys gathered
 dequantized one block at a time by indexing. Continuous random data (no ties); several
 requests and layers, requests with fewer blocks than the candidates (-inf padding), the
 requests' blocks scattered over the pool, float32 and bf16 host keys and the int8 and int4
-copies."""
+copies, the copies scored by the CPU kernel (`kv/block_mass.py`) or the compiled path."""
 
 import pytest
 import torch
 
+from oasiskv.kv import block_mass
 from oasiskv.kv.rerank import candidate_mass, candidate_mass_codes, rerank_layers, warm_up_rerank
 from oasiskv.kv.select import rerank_by_mass
 from oasiskv.kv.summaries import dequantize_keys, quantize_keys
@@ -46,11 +47,13 @@ def reference(host_kv, ids, q, scores, scales, bits):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bits", [0, 8, 4])
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("eager", [False, True])
-def test_batched_rerank_picks_the_references_blocks(dtype, bits, seed, eager, monkeypatch):
-    if eager:  # where torch.compile fails: the matmul form, not the (huge) unfused product
+@pytest.mark.parametrize(("bits", "path"), [(0, "compiled"), (0, "eager"), *(
+    (bits, path) for bits in (8, 4) for path in ("kernel", "compiled", "eager"))])
+def test_batched_rerank_picks_the_references_blocks(dtype, bits, seed, path, monkeypatch):
+    # the key copy's codes on the CPU: the kernel, or (OASISKV_RERANK=compiled) inductor's
+    monkeypatch.setenv(block_mass.ENV, "kernel" if path == "kernel" else "compiled")
+    if path == "eager":  # where torch.compile fails: the matmul form, not the unfused product
         for fn in (candidate_mass, candidate_mass_codes):
             monkeypatch.setattr(fn, "_run", fn.eager)
     host_kv, ids, q, scores, scales = case(dtype, seed)
@@ -79,12 +82,13 @@ def test_keys_whose_blocks_are_not_contiguous_are_a_clear_error():
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_after_the_warm_up_no_request_shape_compiles_anew(bits):
+def test_after_the_warm_up_no_request_shape_compiles_anew(bits, monkeypatch):
     """warm_up_rerank compiles for every shape a step passes: any run of layers, any number
     of requests, any number of candidates (requests shorter than c*K blocks have fewer; a
     count equal to the query group's size, specialized, must not make it static)."""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setenv(block_mass.ENV, "compiled")  # the kernel compiles nothing
     hkv, heads, layers = 3, 9, 4  # G = 3
     codes, kscales = quantize_keys(torch.randn(layers, hkv, 60, B, D), bits)
     warm_up_rerank(codes, heads)
