@@ -30,7 +30,13 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define OASIS_X86 1
+#include <immintrin.h>
+#endif
 
 // the vector types below never cross a call (everything is inlined into one function per ISA)
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -281,20 +287,72 @@ OASIS_INLINE void prefetch_rows(const T* p, int64_t ss, int64_t n, int64_t d) {
       __builtin_prefetch(reinterpret_cast<const char*>(p + t * ss) + o);
 }
 
+#ifdef OASIS_X86
+#define OASIS_BF16_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,avx512bf16"
+
+// A tile's scores for all M query rows with vdpbf16ps (the avx512bf16 tier, bf16 only): each
+// instruction multiplies 32 bf16 of a query row by 32 of a K row read in place (products exact
+// in fp32, summed in pairs into 16 fp32 lanes: no widening), so a key leaves 16 partial sums
+// and the W = 16 keys of a vector are reduced lane-wise at once, as in scores_w. qb [M, qp]:
+// the unscaled bf16 queries, zeros past d (qp a multiple of 32); the scale applies to the sums.
+// Keys tn..tw (padding) score 0 plus their -inf bias; K past d is not read (masked loads).
+// Not inlined: its target (avx512bf16) is more than run_unit's callers have.
+template <int D>
+__attribute__((target(OASIS_BF16_TARGET), noinline)) void dot_scores(
+    const uint16_t* qb, int64_t qp, int64_t M, int64_t G, const uint16_t* k, int64_t k_ss,
+    int64_t tn, int64_t tw, int64_t d, float scale, const float* bias, float* s, float* rmax) {
+  using F = Vec<16>::f;
+  constexpr int64_t CMAX = D ? D / 32 : MAX_D / 32;
+  const int64_t C = D ? D / 32 : (d + 31) / 32;
+  const int64_t tail = d - (C - 1) * 32;  // K values in the last chunk, 1..32
+  const __mmask32 last = tail == 32 ? ~__mmask32(0) : (__mmask32(1) << tail) - 1;
+  for (int64_t i = 0; i < M; ++i) {
+    __m512i qv[CMAX];
+    for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_loadu_si512(qb + i * qp + c * 32);
+    const float* bc = bias + (i < G ? 0 : TILE);
+    float* si = s + i * TILE;
+    F vmax = F{} + NEG_INF;
+    for (int64_t t = 0; t < tw; t += 16) {
+      F part[16];
+      for (int kk = 0; kk < 16; ++kk) {
+        part[kk] = F{};
+        if (t + kk >= tn) continue;  // padding: never read past the tile
+        const uint16_t* kr = k + (t + kk) * k_ss;
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t c = 0; c + 1 < C; ++c)
+          a = _mm512_dpbf16_ps(a, (__m512bh)qv[c], (__m512bh)_mm512_loadu_si512(kr + c * 32));
+        const __m512i kl = D ? _mm512_loadu_si512(kr + (C - 1) * 32)
+                             : _mm512_maskz_loadu_epi16(last, kr + (C - 1) * 32);
+        part[kk] = (F)_mm512_dpbf16_ps(a, (__m512bh)qv[C - 1], (__m512bh)kl);
+      }
+      const F sc = hsums<16>(part) * scale + vload<16>(bc + t);
+      vstore<16>(si + t, sc);
+      vmax = vmax > sc ? vmax : sc;
+    }
+    float m = NEG_INF;
+    for (int kk = 0; kk < 16; ++kk) m = std::max(m, vmax[kk]);
+    rmax[i] = m;
+  }
+}
+#endif
+
 // The unit's slots, a tile at a time: scores (key-major, W keys per vector), masks, online
 // softmax with a vectorized exp over the tile, then P.V as broadcast FMAs over d. D: the head
 // dim when fixed (64, 128), else 0; rows are padded with zeros to DP, a multiple of W.
-template <typename T, int D, int W>
+// DOT: the scores by dot_scores (vdpbf16ps on the bf16 rows in place; bf16, W 16 only).
+template <typename T, int D, int W, bool DOT = false>
 OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
                            std::vector<float>& buf) {
   using F = typename Vec<W>::f;
   static_assert(D % W == 0 && TILE % W == 0, "lanes divide the head dim and the tile");
+  static_assert(!DOT || (std::is_same_v<T, uint16_t> && W == 16), "DOT: bf16 on 16 lanes");
   constexpr int64_t DP = D;  // 0: runtime
   constexpr int64_t CMAX = D ? D / W : MAX_D / W;  // vectors of a row held in registers
   const int64_t d = D ? D : a.d, dp = D ? D : (a.d + W - 1) / W * W, C = dp / W;
   const int64_t G = a.group, h = u.h, b = u.b;
   const int64_t r0 = a.row_off[b], n = a.row_off[b + 1] - r0, M = n * G;
-  buf.resize(2 * M * dp + M * TILE + TILE * dp + 2 * M + 2 * TILE + 2 * W);
+  const int64_t qp = DOT ? (d + 31) / 32 * 32 : 0;  // DOT: a bf16 query row's padded length
+  buf.resize(2 * M * dp + M * TILE + TILE * dp + 2 * M + 2 * TILE + 2 * W + M * qp / 2 + M);
   float* qf = buf.data();       // [M, dp] the queries, scaled
   float* acc = qf + M * dp;     // [M, dp] the weighted values
   float* s = acc + M * dp;      // [M, TILE] a tile's scores, then its probabilities
@@ -302,6 +360,8 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
   float* mx = tf + TILE * dp;   // [M] running max
   float* l = mx + M;            // [M] running sum of exp(score - max)
   float* bias = l + M;          // [2, TILE] 0 or -inf: the masks of the normal row, the drafts
+  float* rmax = bias + 2 * TILE + 2 * W;  // DOT: [M] a tile's max score per row
+  uint16_t* qb = reinterpret_cast<uint16_t*>(rmax + M);  // DOT: [M, qp] the bf16 queries
   const T* q = static_cast<const T*>(a.q);
   for (int64_t j = 0; j < n; ++j) {
     const T* qr = q + a.rows[r0 + j] * a.q_rs + h * G * a.q_hs;
@@ -309,6 +369,11 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
       float* qi = qf + (j * G + g) * dp;
       widen<W>(qr + g * a.q_hs, qi, d, dp);
       for (int64_t c = 0; c < dp; ++c) qi[c] *= a.scale;
+      if constexpr (DOT) {
+        uint16_t* qbi = qb + (j * G + g) * qp;
+        std::copy(qr + g * a.q_hs, qr + g * a.q_hs + d, qbi);
+        std::fill(qbi + d, qbi + qp, uint16_t(0));
+      }
     }
   }
   std::fill(acc, acc + M * dp, 0.0f);
@@ -328,9 +393,11 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
       // this tile's V rows and the next tile's K rows on their way while we score
       prefetch_rows(vh + slot * a.v_ss, a.v_ss, tn, d);
       prefetch_rows(kh + (slot + tn) * a.k_ss, a.k_ss, std::min(TILE, hi - t0 - tn), d);
-      // the tile's K rows in fp32 once (the padding up to W keys zeros)
-      for (int64_t t = 0; t < tn; ++t) widen<W>(kh + (slot + t) * a.k_ss, tf + t * dp, d, dp);
-      std::fill(tf + tn * dp, tf + tw * dp, 0.0f);
+      // the tile's K rows in fp32 once (the padding up to W keys zeros); DOT reads them in place
+      if constexpr (!DOT) {
+        for (int64_t t = 0; t < tn; ++t) widen<W>(kh + (slot + t) * a.k_ss, tf + t * dp, d, dp);
+        std::fill(tf + tn * dp, tf + tw * dp, 0.0f);
+      }
       // per row class, 0 where the slot is seen, -inf where masked or padding
       for (int64_t cls = 0; cls < (n > 1 ? 2 : 1); ++cls) {
         const Mask& mk = cls ? m1 : m0;
@@ -343,22 +410,31 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
         }
         std::fill(bc + tn, bc + tw, NEG_INF);
       }
+#ifdef OASIS_X86
+      if constexpr (DOT)  // every row's scores [tw] and their max at once
+        dot_scores<D>(qb, qp, M, G, kh + slot * a.k_ss, a.k_ss, tn, tw, d, a.scale, bias, s,
+                      rmax);
+#endif
       for (int64_t i = 0; i < M; ++i) {
-        const float* qi = qf + i * dp;
-        const float* bc = bias + (i < G ? 0 : TILE);
         float* si = s + i * TILE;
-        F qv[CMAX];
-        for (int64_t c = 0; c < C; ++c) qv[c] = vload<W>(qi + c * W);
-        // scores [tw]: W keys a vector
-        F vmax = F{} + NEG_INF;
-        for (int64_t t = 0; t < tw; t += W) {
-          const F sc = scores_w<W, DP>(qv, tf + t * dp, dp) + vload<W>(bc + t);
-          vstore<W>(si + t, sc);
-          vmax = vmax > sc ? vmax : sc;
+        float tmax = NEG_INF;
+        if constexpr (DOT) {
+          tmax = rmax[i];
+        } else {
+          const float* qi = qf + i * dp;
+          const float* bc = bias + (i < G ? 0 : TILE);
+          F qv[CMAX];
+          for (int64_t c = 0; c < C; ++c) qv[c] = vload<W>(qi + c * W);
+          // scores [tw]: W keys a vector
+          F vmax = F{} + NEG_INF;
+          for (int64_t t = 0; t < tw; t += W) {
+            const F sc = scores_w<W, DP>(qv, tf + t * dp, dp) + vload<W>(bc + t);
+            vstore<W>(si + t, sc);
+            vmax = vmax > sc ? vmax : sc;
+          }
+          for (int k = 0; k < W; ++k) tmax = std::max(tmax, vmax[k]);
         }
         // online softmax: scores -> probabilities against the running max
-        float tmax = NEG_INF;
-        for (int k = 0; k < W; ++k) tmax = std::max(tmax, vmax[k]);
         const float mnew = std::max(mx[i], tmax);
         if (mnew == NEG_INF) {  // nothing seen yet: nothing to add
           std::fill(si, si + tw, 0.0f);
@@ -469,10 +545,10 @@ void merge(const Args& a, const Unit* units, int64_t chunks, const float* partia
 
 using UnitsFn = void (*)(const Args&, const Unit*, int64_t, float*);
 
-template <typename T, int D, int W>
+template <typename T, int D, int W, bool DOT = false>
 OASIS_INLINE void run_units(const Args& a, const Unit* u, int64_t count, float* partials) {
   std::vector<float> buf;
-  for (int64_t i = 0; i < count; ++i) run_unit<T, D, W>(a, u[i], partials, buf);
+  for (int64_t i = 0; i < count; ++i) run_unit<T, D, W, DOT>(a, u[i], partials, buf);
 }
 
 // One copy of the kernels per instruction set, each on its own vector width W
@@ -500,10 +576,26 @@ OASIS_INLINE void run_units(const Args& a, const Unit* u, int64_t count, float* 
     return d == 64 ? ISA##_f32_64 : d == 128 ? ISA##_f32_128 : ISA##_f32_any;               \
   }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define OASIS_X86 1
-OASIS_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))), 16)
+#ifdef OASIS_X86
+#define OASIS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+OASIS_KERNELS(avx512, OASIS_AVX512, 16)
 OASIS_KERNELS(avx2, __attribute__((target("avx2,fma"))), 8)
+
+// avx512bf16: the avx512 loops with the bf16 scores by vdpbf16ps (dot_scores); fp32 inputs get
+// the avx512 loops unchanged (their queries are not rounded to bf16)
+OASIS_AVX512 void avx512bf16_bf16_64(const Args& a, const Unit* u, int64_t n, float* p) {
+  run_units<uint16_t, 64, 16, true>(a, u, n, p);
+}
+OASIS_AVX512 void avx512bf16_bf16_128(const Args& a, const Unit* u, int64_t n, float* p) {
+  run_units<uint16_t, 128, 16, true>(a, u, n, p);
+}
+OASIS_AVX512 void avx512bf16_bf16_any(const Args& a, const Unit* u, int64_t n, float* p) {
+  run_units<uint16_t, 0, 16, true>(a, u, n, p);
+}
+UnitsFn avx512bf16_pick(bool bf16, int64_t d) {
+  if (!bf16) return avx512_pick(false, d);
+  return d == 64 ? avx512bf16_bf16_64 : d == 128 ? avx512bf16_bf16_128 : avx512bf16_bf16_any;
+}
 #endif
 OASIS_KERNELS(base, , 4)
 
@@ -514,8 +606,10 @@ std::vector<std::string> isas() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("fma"))
+      __builtin_cpu_supports("fma")) {
+    if (__builtin_cpu_supports("avx512bf16")) out.push_back("avx512bf16");
     out.push_back("avx512");
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back("avx2");
 #endif
   out.push_back("base");
@@ -524,6 +618,7 @@ std::vector<std::string> isas() {
 
 UnitsFn pick(const std::string& isa, bool bf16, int64_t d) {
 #ifdef OASIS_X86
+  if (isa == "avx512bf16") return avx512bf16_pick(bf16, d);
   if (isa == "avx512") return avx512_pick(bf16, d);
   if (isa == "avx2") return avx2_pick(bf16, d);
 #endif
