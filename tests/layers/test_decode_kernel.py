@@ -7,7 +7,6 @@ attention over expanded K/V: dense (one run, runs out of order), sparse masks, d
 by vdpbf16ps); and the fallback to `layers/gqa.py` when the kernel cannot be built."""
 
 import re
-
 import warnings
 from collections.abc import Callable
 
