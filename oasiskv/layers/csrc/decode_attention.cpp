@@ -390,9 +390,13 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
     for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
       const int64_t tn = std::min(TILE, hi - t0), tw = (tn + W - 1) / W * W;
       const int64_t slot = first + t0 - pos;
-      // this tile's V rows and the next tile's K rows on their way while we score
-      prefetch_rows(vh + slot * a.v_ss, a.v_ss, tn, d);
-      prefetch_rows(kh + (slot + tn) * a.k_ss, a.k_ss, std::min(TILE, hi - t0 - tn), d);
+      // this tile's V rows and the next tile's K rows on their way while we score; not with
+      // DOT, whose tiles are short enough that these bursts stall it (the hardware prefetchers
+      // follow the runs: dense 7K x6 1.73 -> 1.21 ms per call, 19 -> 27 GB/s)
+      if constexpr (!DOT) {
+        prefetch_rows(vh + slot * a.v_ss, a.v_ss, tn, d);
+        prefetch_rows(kh + (slot + tn) * a.k_ss, a.k_ss, std::min(TILE, hi - t0 - tn), d);
+      }
       // the tile's K rows in fp32 once (the padding up to W keys zeros); DOT reads them in place
       if constexpr (!DOT) {
         for (int64_t t = 0; t < tn; ++t) widen<W>(kh + (slot + t) * a.k_ss, tf + t * dp, d, dp);
