@@ -243,13 +243,15 @@ def test_slabs_equal_reference_and_brute_force(isa, dtype, group, drafts, name, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [16, 40, 64, 128])  # the generic loops (d not a multiple of the
 # lanes, nor of the 32 bf16 vdpbf16ps takes: K read by masked loads) and the two fixed sizes
-def test_each_instruction_set_equals_brute_force(ext, isa, dtype, d, monkeypatch):
+@pytest.mark.parametrize("group,drafts", [(3, 3), (1, 0), (3, 0), (7, 0), (1, 3), (7, 3)])
+def test_each_instruction_set_equals_brute_force(ext, isa, dtype, d, group, drafts, monkeypatch):
+    """Query rows (1 + drafts) x group: P.V's blocks of rows and their remainders."""
     if isa not in ext.isas():
         pytest.skip(f"this CPU does not run {isa}")
     monkeypatch.setattr(kernel_attention, "ISA", isa)
     monkeypatch.setattr(kernel_attention, "MIN_CHUNK", 16)
     g = torch.Generator().manual_seed(d)
-    new, _, inputs, truths = drafts_case(dtype, 3, "runs", "own", g, t=301, d=d)
+    new, _, inputs, truths = drafts_case(dtype, group, "runs", "own", g, t=301, m=drafts, d=d)
     got = run(new, *inputs)
     for row, truth in enumerate(truths):
         close_to_truth(got[row], truth, dtype)

@@ -334,6 +334,73 @@ __attribute__((target(OASIS_BF16_TARGET), noinline)) void dot_scores(
     rmax[i] = m;
   }
 }
+
+// P.V of RB query rows over a tile's tn V rows read in place (D 64 or 128): as pv_block (fp32
+// products and sums, P unrounded), but a V row widened by unpacking its 32 bf16 of a 512-bit
+// load against zeros, two instructions for 32 values (dims 0-3, 8-11, .. in one vector, 4-7,
+// 12-15, .. in the other), the accumulators permuted to match while in registers
+template <int D, int RB>
+__attribute__((target(OASIS_BF16_TARGET), always_inline)) inline void dot_values_block(
+    const float* p, float* acc, const uint16_t* v, int64_t v_ss, int64_t tn) {
+  constexpr int C = D / 32;  // 32 values a load, two vectors of accumulators each
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                       31);
+  __m512 av[RB][2 * C];
+  for (int i = 0; i < RB; ++i)
+    for (int c = 0; c < C; ++c) {
+      const __m512 n0 = _mm512_loadu_ps(acc + i * D + 32 * c);
+      const __m512 n1 = _mm512_loadu_ps(acc + i * D + 32 * c + 16);
+      av[i][2 * c] = _mm512_permutex2var_ps(n0, lo, n1);
+      av[i][2 * c + 1] = _mm512_permutex2var_ps(n0, hi, n1);
+    }
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t t = 0; t < tn; ++t) {
+    const uint16_t* vr = v + t * v_ss;
+    __m512 vl[C], vh[C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i raw = _mm512_loadu_si512(vr + 32 * c);
+      vl[c] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, raw));  // bf16 << 16: fp32
+      vh[c] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, raw));
+    }
+    for (int i = 0; i < RB; ++i) {
+      const __m512 pi = _mm512_set1_ps(p[i * TILE + t]);
+      for (int c = 0; c < C; ++c) {
+        av[i][2 * c] = _mm512_fmadd_ps(pi, vl[c], av[i][2 * c]);
+        av[i][2 * c + 1] = _mm512_fmadd_ps(pi, vh[c], av[i][2 * c + 1]);
+      }
+    }
+  }
+  // back to the natural order: dims 0-3 from the first vector, 4-7 from the second, ..
+  const __m512i b0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i b1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30,
+                                       31);
+  for (int i = 0; i < RB; ++i)
+    for (int c = 0; c < C; ++c) {
+      _mm512_storeu_ps(acc + i * D + 32 * c,
+                       _mm512_permutex2var_ps(av[i][2 * c], b0, av[i][2 * c + 1]));
+      _mm512_storeu_ps(acc + i * D + 32 * c + 16,
+                       _mm512_permutex2var_ps(av[i][2 * c], b1, av[i][2 * c + 1]));
+    }
+}
+
+// P.V of a tile for all M rows (p [M, TILE], acc [M, D]), as many rows a block as their
+// accumulators and a V row fit the 32 vector registers
+template <int D>
+__attribute__((target(OASIS_BF16_TARGET), noinline)) void dot_values(
+    const float* p, float* acc, int64_t M, const uint16_t* v, int64_t v_ss, int64_t tn) {
+  constexpr int RB = D == 64 ? 6 : 2;  // (32 - D / 16 - 2) / (D / 16)
+  int64_t i = 0;
+  for (; i + RB <= M; i += RB) dot_values_block<D, RB>(p + i * TILE, acc + i * D, v, v_ss, tn);
+  switch (M - i) {  // the rest, fewer than RB
+    case 5: return dot_values_block<D, 5>(p + i * TILE, acc + i * D, v, v_ss, tn);
+    case 4: return dot_values_block<D, 4>(p + i * TILE, acc + i * D, v, v_ss, tn);
+    case 3: return dot_values_block<D, 3>(p + i * TILE, acc + i * D, v, v_ss, tn);
+    case 2: return dot_values_block<D, 2>(p + i * TILE, acc + i * D, v, v_ss, tn);
+    case 1: return dot_values_block<D, 1>(p + i * TILE, acc + i * D, v, v_ss, tn);
+    default: return;
+  }
+}
 #endif
 
 // The unit's slots, a tile at a time: scores (key-major, W keys per vector), masks, online
@@ -463,6 +530,12 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
       }
       // values: read in place when rows are whole vectors (d a multiple of W), RB rows at once
       if (d == dp) {
+#ifdef OASIS_X86
+        if constexpr (DOT && D != 0) {
+          dot_values<D>(s, acc, M, vh + slot * a.v_ss, a.v_ss, tn);
+          continue;
+        }
+#endif
         constexpr int RB = pv_rows_max<D, W>();
         for (int64_t i = 0; i < M; i += RB)
           pv_rows<T, D, W, RB>(std::min<int64_t>(RB, M - i), s + i * TILE, acc + i * dp,
