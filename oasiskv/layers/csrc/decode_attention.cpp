@@ -16,7 +16,11 @@
 // partial sums over d added lane-wise W keys at once (no horizontal sum per key); an exp over
 // the tile's scores W at a time; P.V as broadcast FMAs over d; bf16 widened by shifts in the
 // vector registers. They are compiled three times (AVX-512, W 16; AVX2+FMA, W 8; the baseline,
-// W 4) and chosen at run time by CPUID, so one build runs on any x86-64.
+// W 4) and chosen at run time by CPUID, so one build runs on any x86-64. A fourth tier,
+// avx512bf16 (CPUs with AVX-512 BF16), runs the AVX-512 loops with, for bf16 inputs only, the
+// scores by vdpbf16ps on q and K as they are (products exact in fp32, summed in fp32: the same
+// results to fp32 rounding) and V widened by unpacking; fp32 inputs get the AVX-512 loops. P
+// stays fp32 (rounded to bf16 it would change results beyond the output's own rounding).
 // Built and cached by oasiskv/layers/decode_kernel.py.
 
 #include <torch/extension.h>
