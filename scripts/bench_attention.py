@@ -4,7 +4,7 @@ the grouped, copy-free attention (`layers/gqa.py`) against the previous implemen
 3 KV heads, head dim 64).
 
   python scripts/bench_attention.py [--context 7168] [--batch 6] [--top-k 128] [--rounds 15]
-      [--dtype bfloat16] [--threads N] [--impls ref,gqa,kernel] [--json PATH]
+      [--dtype bfloat16] [--threads N] [--impls ref,gqa,kernel,kernel@avx512] [--json PATH]
 
 Cases: dense at batch 1 (one run of slots) and at --batch (each request in --runs runs spread
 over the pool, as a full pool leaves them), and a sparse batch of --batch slabs of K+1 blocks
@@ -14,12 +14,13 @@ ref (previous), gqa (grouped matmuls), kernel (the compiled kernel, the default)
 (`scaled_dot_product_attention(enable_gqa=True)` over the joined runs), sdpa-grouped (SDPA
 with the KV heads as heads and the G query heads as G query rows: no expansion), split
 (flash-decoding: the sequence in --chunk-token chunks, each its own softmax, merged by
-log-sum-exp). Each layer call reads its own layer's pool (enough layers to
-overflow the caches, as a step does); rounds interleave the implementations so that a shared
-machine's load hits them alike, and a dense context grows by a token per round, as in decode
-(oneDNN builds a kernel per new shape). Prints the median and min ms per layer call, the
-median over rounds of each round's ratio to ref, and the KV read rate of the median. CPU times
-are noisy: compare ratios from one run."""
+log-sum-exp); kernel@ISA is the kernel on one instruction set's loops (avx512bf16, avx512, avx2,
+base: `ext.isas()`), so that tiers are timed interleaved in one run. Each layer call reads its
+own layer's pool (enough layers to overflow the caches, as a step does); rounds interleave the
+implementations so that a shared machine's load hits them alike, and a dense context grows by a
+token per round, as in decode (oneDNN builds a kernel per new shape). Prints the median and min
+ms per layer call, the median over rounds of each round's ratio to ref, and the KV read rate of
+the median. CPU times are noisy: compare ratios from one run."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from oasiskv.context import SeqAttention, StepContext, set_context
-from oasiskv.layers import gqa
+from oasiskv.layers import decode_kernel, gqa, kernel_attention
 from oasiskv.layers.attention import Attention, GqaAttention
 from oasiskv.layers.attention_ref import ReferenceAttention
 from oasiskv.report import markdown_table, write_json
@@ -93,6 +94,12 @@ IMPLS = {"ref": ReferenceAttention, "gqa": GqaAttention, "kernel": Attention, "s
          "sdpa-grouped": SdpaGrouped, "split": Split}
 
 SPARSE_IMPLS = ("ref", "gqa", "kernel")  # the others decode dense contexts only
+
+
+def split_impl(impl: str) -> tuple[str, str]:
+    """kernel@avx2 -> (kernel, avx2); others (impl, "": the kernel's best instruction set)."""
+    name, _, isa = impl.partition("@")
+    return name, isa
 
 
 def spread_runs(batch: int, tokens: int, runs: int, g: torch.Generator) -> list[list]:
@@ -164,7 +171,7 @@ def time_case(name: str, slots: int, seqs: list[SeqAttention], rows: int, impls:
     for impl in impls:
         mods[impl] = []
         for i, pool in enumerate(pools):
-            m = IMPLS[impl](HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
+            m = IMPLS[split_impl(impl)[0]](HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
             m.layer_idx, m.pools = i, {"device": pool}
             mods[impl].append(m)
     # bytes of K/V one layer call reads: every request's attended slots
@@ -177,6 +184,7 @@ def time_case(name: str, slots: int, seqs: list[SeqAttention], rows: int, impls:
         for impl in impls:
             ctx = StepContext(seqs=step_seqs)  # slab groups built by the first layer, as in a step
             set_context(ctx)
+            kernel_attention.ISA = split_impl(impl)[1]
             t0 = time.perf_counter()
             for m in mods[impl]:
                 outs[impl] = m(q, k, v)
@@ -217,10 +225,18 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(1)
     chosen = ["ref", *(i for i in args.impls.split(",") if i != "ref")]
-    unknown = [i for i in chosen if i not in IMPLS]
+    unknown = [i for i in chosen if split_impl(i)[0] not in IMPLS
+               or (split_impl(i)[1] and split_impl(i)[0] != "kernel")]
     if unknown:
         ap.error(f"--impls: unknown {', '.join(unknown)}")
-    dense_impls, sparse_impls = chosen, [i for i in chosen if i in SPARSE_IMPLS]
+    isas = {split_impl(i)[1] for i in chosen} - {""}
+    if isas:
+        ext = decode_kernel.extension()
+        missing = sorted(isas - set(ext.isas() if ext else []))
+        if missing:
+            ap.error(f"--impls: this CPU or build does not run {', '.join(missing)}")
+    dense_impls = chosen
+    sparse_impls = [i for i in chosen if split_impl(i)[0] in SPARSE_IMPLS]
     cases = [(f"dense {args.context} x1", *dense_case(1, args.context, 1, g), dense_impls),
              (f"dense {args.context} x{args.batch}, {args.runs} runs each",
               *dense_case(args.batch, args.context, args.runs, g), dense_impls),

@@ -7,7 +7,9 @@ source is compiled once per (source, torch, Python, flags) into `$OASISKV_CACHE/
 (default ~/.cache/oasiskv/ext; `scripts/setup.sh` builds it), so a run pays the ~1 minute
 build only on a fresh machine, at engine start (`extension()` from the runner), never inside a
 request. The one binary runs on any x86-64 CPU: its loops are compiled for AVX-512, AVX2+FMA
-and the baseline and chosen by CPUID at run time.
+and the baseline and chosen by CPUID at run time; where the CPU has AVX-512 BF16, bf16 inputs
+get the avx512bf16 tier (the scores by vdpbf16ps, no widening: dense 7K x6 2.15 -> 1.21 ms, at
+the memory's speed; docs/results/2026-12-07-decode-kernel-avx512bf16.md).
 
 Where it cannot be built or loaded (no compiler, no ninja, a build error) attention warns once
 and decodes with `layers/gqa.py`, the same results to rounding. It is the default on the CPU;

@@ -3,9 +3,10 @@ equals the previous implementation (`layers/attention_ref.py`) and a brute-force
 attention over expanded K/V: dense (one run, runs out of order), sparse masks, draft rows
 (masks shared or their own), sparse slabs with their drafts in the draft slots, GQA groups of 1,
 3 and 7, odd lengths, fp32 and bf16, on 1 and 2 threads, whole and split over the sequence
-(log-sum-exp merge), with each instruction set this CPU runs; and the fallback to
-`layers/gqa.py` when the kernel cannot be built."""
+(log-sum-exp merge), each with every instruction set this CPU runs (avx512bf16: the bf16 scores
+by vdpbf16ps); and the fallback to `layers/gqa.py` when the kernel cannot be built."""
 
+import re
 import warnings
 from collections.abc import Callable
 
@@ -20,7 +21,7 @@ from oasiskv.layers.attention_ref import ReferenceAttention
 
 D = 16  # head dim
 SLOTS = 700  # pool slots
-ALL_ISAS = ["avx512", "avx2", "base"]
+ALL_ISAS = ["avx512bf16", "avx512", "avx2", "base"]  # best first, as the kernel lists them
 
 
 def close_to_truth(got: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype) -> None:
@@ -46,6 +47,15 @@ def ext(kernel_on):
     e = decode_kernel.extension()
     assert e is not None, "the kernel builds and loads on this machine"
     return e
+
+
+@pytest.fixture(params=ALL_ISAS)
+def isa(request, ext, monkeypatch):
+    """The kernel's loops on each instruction set this CPU runs (skipped where it does not)."""
+    if request.param not in ext.isas():
+        pytest.skip(f"this CPU does not run {request.param}")
+    monkeypatch.setattr(kernel_attention, "ISA", request.param)
+    return request.param
 
 
 @pytest.fixture(params=[(1, 256), (2, 256), (2, 4)],
@@ -96,7 +106,7 @@ def layout(kind: str, t: int, first: int) -> tuple[dict, torch.Tensor]:
 @pytest.mark.parametrize("hkv,group", [(2, 1), (3, 3), (1, 7), (2, 7)])
 @pytest.mark.parametrize("kind", ["one run", "runs"])
 @pytest.mark.parametrize("masked", [False, True])
-def test_decode_equals_reference_and_brute_force(ext, dtype, hkv, group, kind, masked, threads):
+def test_decode_equals_reference_and_brute_force(isa, dtype, hkv, group, kind, masked, threads):
     g = torch.Generator().manual_seed(hkv * 10 + group)
     new, ref = layers(hkv, group, dtype, g)
     check_decodes(new, ref, g, kind, masked, [2, 7, 37, 173, 301], dtype)
@@ -170,7 +180,7 @@ def drafts_case(dtype, group, kind, masks, g, hkv=2, t=45, m=3, d=D, device="cpu
 @pytest.mark.parametrize("group", [1, 3, 7])
 @pytest.mark.parametrize("kind", ["one run", "runs"])
 @pytest.mark.parametrize("masks", ["none", "shared", "own"])
-def test_draft_rows_equal_reference_and_brute_force(ext, dtype, group, kind, masks, threads):
+def test_draft_rows_equal_reference_and_brute_force(isa, dtype, group, kind, masks, threads):
     """Each draft sees the KV (under the drafts' mask) and its own K/V; the normal row the KV."""
     g = torch.Generator().manual_seed(group)
     new, ref, inputs, truths = drafts_case(dtype, group, kind, masks, g)
@@ -221,7 +231,7 @@ SLAB_LAYOUTS = {"side by side": [5, 46, 87, 128], "apart": [5, 100, 200, 300], "
 @pytest.mark.parametrize("group", [1, 3, 7])
 @pytest.mark.parametrize("drafts", [0, 1, 2])
 @pytest.mark.parametrize("name", SLAB_LAYOUTS)
-def test_slabs_equal_reference_and_brute_force(ext, dtype, group, drafts, name, threads):
+def test_slabs_equal_reference_and_brute_force(isa, dtype, group, drafts, name, threads):
     """Sparse slabs, their drafts' K/V in the draft slots as the runner leaves them."""
     hkv, t, slots = 2, 37, 4
     g = torch.Generator().manual_seed(drafts * 10 + group)
@@ -231,17 +241,59 @@ def test_slabs_equal_reference_and_brute_force(ext, dtype, group, drafts, name, 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [16, 64, 128])  # the kernel's generic loops and its two sizes
-def test_each_instruction_set_equals_brute_force(ext, isa, dtype, d, monkeypatch):
+@pytest.mark.parametrize("d", [16, 40, 64, 128])  # the generic loops (d not a multiple of the
+# lanes, nor of the 32 bf16 vdpbf16ps takes: K read by masked loads) and the two fixed sizes
+@pytest.mark.parametrize("group,drafts", [(3, 3), (1, 0), (3, 0), (7, 0), (1, 3), (7, 3)])
+def test_each_instruction_set_equals_brute_force(ext, isa, dtype, d, group, drafts, monkeypatch):
+    """Query rows (1 + drafts) x group: P.V's blocks of rows and their remainders."""
     if isa not in ext.isas():
         pytest.skip(f"this CPU does not run {isa}")
     monkeypatch.setattr(kernel_attention, "ISA", isa)
     monkeypatch.setattr(kernel_attention, "MIN_CHUNK", 16)
     g = torch.Generator().manual_seed(d)
-    new, _, inputs, truths = drafts_case(dtype, 3, "runs", "own", g, t=301, d=d)
+    new, _, inputs, truths = drafts_case(dtype, group, "runs", "own", g, t=301, m=drafts, d=d)
     got = run(new, *inputs)
     for row, truth in enumerate(truths):
         close_to_truth(got[row], truth, dtype)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (independently of the kernel's CPUID)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    found = re.search(r"^flags\s*:(.*)$", text, re.M)
+    if found is None:
+        pytest.skip("no x86 flags in /proc/cpuinfo")
+    return set(found.group(1).split())
+
+
+def test_the_instruction_sets_follow_the_cpu_flags(ext):
+    """avx512bf16 is listed (first, as the best) exactly where the CPU has AVX-512 BF16."""
+    flags = cpu_flags()
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags
+    want = (["avx512bf16"] if avx512 and "avx512_bf16" in flags else []) + (
+        ["avx512"] if avx512 else []) + (["avx2"] if {"avx2", "fma"} <= flags else []) + ["base"]
+    assert ext.isas() == want
+
+
+@pytest.mark.parametrize("d", [40, 64])
+def test_avx512bf16_runs_the_avx512_loops_for_fp32(ext, d, monkeypatch):
+    """The avx512bf16 tier rounds nothing to bf16: fp32 inputs get the avx512 loops, bit for bit;
+    bf16 inputs its own scores (the same to rounding: the brute-force checks above)."""
+    if "avx512bf16" not in ext.isas():
+        pytest.skip("this CPU does not run avx512bf16")
+    got = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for isa in ("avx512bf16", "avx512"):
+            monkeypatch.setattr(kernel_attention, "ISA", isa)
+            g = torch.Generator().manual_seed(d)
+            new, _, inputs, _ = drafts_case(dtype, 3, "runs", "own", g, t=301, d=d)
+            got[dtype, isa] = run(new, *inputs)
+    assert torch.equal(got[torch.float32, "avx512bf16"], got[torch.float32, "avx512"])
+    close_to_reference(got[torch.bfloat16, "avx512bf16"], got[torch.bfloat16, "avx512"],
+                       torch.bfloat16)
 
 
 def test_an_unknown_instruction_set_or_a_run_outside_the_pool_raises(ext, monkeypatch):

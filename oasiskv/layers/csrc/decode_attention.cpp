@@ -16,7 +16,11 @@
 // partial sums over d added lane-wise W keys at once (no horizontal sum per key); an exp over
 // the tile's scores W at a time; P.V as broadcast FMAs over d; bf16 widened by shifts in the
 // vector registers. They are compiled three times (AVX-512, W 16; AVX2+FMA, W 8; the baseline,
-// W 4) and chosen at run time by CPUID, so one build runs on any x86-64.
+// W 4) and chosen at run time by CPUID, so one build runs on any x86-64. A fourth tier,
+// avx512bf16 (CPUs with AVX-512 BF16), runs the AVX-512 loops with, for bf16 inputs only, the
+// scores by vdpbf16ps on q and K as they are (products exact in fp32, summed in fp32: the same
+// results to fp32 rounding) and V widened by unpacking; fp32 inputs get the AVX-512 loops. P
+// stays fp32 (rounded to bf16 it would change results beyond the output's own rounding).
 // Built and cached by oasiskv/layers/decode_kernel.py.
 
 #include <torch/extension.h>
@@ -30,7 +34,13 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define OASIS_X86 1
+#include <immintrin.h>
+#endif
 
 // the vector types below never cross a call (everything is inlined into one function per ISA)
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -281,20 +291,139 @@ OASIS_INLINE void prefetch_rows(const T* p, int64_t ss, int64_t n, int64_t d) {
       __builtin_prefetch(reinterpret_cast<const char*>(p + t * ss) + o);
 }
 
+#ifdef OASIS_X86
+#define OASIS_BF16_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,avx512bf16"
+
+// A tile's scores for all M query rows with vdpbf16ps (the avx512bf16 tier, bf16 only): each
+// instruction multiplies 32 bf16 of a query row by 32 of a K row read in place (products exact
+// in fp32, summed in pairs into 16 fp32 lanes: no widening), so a key leaves 16 partial sums
+// and the W = 16 keys of a vector are reduced lane-wise at once, as in scores_w. qb [M, qp]:
+// the unscaled bf16 queries, zeros past d (qp a multiple of 32); the scale applies to the sums.
+// Keys tn..tw (padding) score 0 plus their -inf bias; K past d is not read (masked loads).
+// Not inlined: its target (avx512bf16) is more than run_unit's callers have.
+template <int D>
+__attribute__((target(OASIS_BF16_TARGET), noinline)) void dot_scores(
+    const uint16_t* qb, int64_t qp, int64_t M, int64_t G, const uint16_t* k, int64_t k_ss,
+    int64_t tn, int64_t tw, int64_t d, float scale, const float* bias, float* s, float* rmax) {
+  using F = Vec<16>::f;
+  constexpr int64_t CMAX = D ? D / 32 : MAX_D / 32;
+  const int64_t C = D ? D / 32 : (d + 31) / 32;
+  const int64_t tail = d - (C - 1) * 32;  // K values in the last chunk, 1..32
+  const __mmask32 last = tail == 32 ? ~__mmask32(0) : (__mmask32(1) << tail) - 1;
+  for (int64_t i = 0; i < M; ++i) {
+    __m512i qv[CMAX];
+    for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_loadu_si512(qb + i * qp + c * 32);
+    const float* bc = bias + (i < G ? 0 : TILE);
+    float* si = s + i * TILE;
+    F vmax = F{} + NEG_INF;
+    for (int64_t t = 0; t < tw; t += 16) {
+      F part[16];
+      for (int kk = 0; kk < 16; ++kk) {
+        part[kk] = F{};
+        if (t + kk >= tn) continue;  // padding: never read past the tile
+        const uint16_t* kr = k + (t + kk) * k_ss;
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t c = 0; c + 1 < C; ++c)
+          a = _mm512_dpbf16_ps(a, (__m512bh)qv[c], (__m512bh)_mm512_loadu_si512(kr + c * 32));
+        const __m512i kl = D ? _mm512_loadu_si512(kr + (C - 1) * 32)
+                             : _mm512_maskz_loadu_epi16(last, kr + (C - 1) * 32);
+        part[kk] = (F)_mm512_dpbf16_ps(a, (__m512bh)qv[C - 1], (__m512bh)kl);
+      }
+      const F sc = hsums<16>(part) * scale + vload<16>(bc + t);
+      vstore<16>(si + t, sc);
+      vmax = vmax > sc ? vmax : sc;
+    }
+    float m = NEG_INF;
+    for (int kk = 0; kk < 16; ++kk) m = std::max(m, vmax[kk]);
+    rmax[i] = m;
+  }
+}
+
+// P.V of RB query rows over a tile's tn V rows read in place (D 64 or 128): as pv_block (fp32
+// products and sums, P unrounded), but a V row widened by unpacking its 32 bf16 of a 512-bit
+// load against zeros, two instructions for 32 values (dims 0-3, 8-11, .. in one vector, 4-7,
+// 12-15, .. in the other), the accumulators permuted to match while in registers
+template <int D, int RB>
+__attribute__((target(OASIS_BF16_TARGET), always_inline)) inline void dot_values_block(
+    const float* p, float* acc, const uint16_t* v, int64_t v_ss, int64_t tn) {
+  constexpr int C = D / 32;  // 32 values a load, two vectors of accumulators each
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                       31);
+  __m512 av[RB][2 * C];
+  for (int i = 0; i < RB; ++i)
+    for (int c = 0; c < C; ++c) {
+      const __m512 n0 = _mm512_loadu_ps(acc + i * D + 32 * c);
+      const __m512 n1 = _mm512_loadu_ps(acc + i * D + 32 * c + 16);
+      av[i][2 * c] = _mm512_permutex2var_ps(n0, lo, n1);
+      av[i][2 * c + 1] = _mm512_permutex2var_ps(n0, hi, n1);
+    }
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t t = 0; t < tn; ++t) {
+    const uint16_t* vr = v + t * v_ss;
+    __m512 vl[C], vh[C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i raw = _mm512_loadu_si512(vr + 32 * c);
+      vl[c] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, raw));  // bf16 << 16: fp32
+      vh[c] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, raw));
+    }
+    for (int i = 0; i < RB; ++i) {
+      const __m512 pi = _mm512_set1_ps(p[i * TILE + t]);
+      for (int c = 0; c < C; ++c) {
+        av[i][2 * c] = _mm512_fmadd_ps(pi, vl[c], av[i][2 * c]);
+        av[i][2 * c + 1] = _mm512_fmadd_ps(pi, vh[c], av[i][2 * c + 1]);
+      }
+    }
+  }
+  // back to the natural order: dims 0-3 from the first vector, 4-7 from the second, ..
+  const __m512i b0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i b1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30,
+                                       31);
+  for (int i = 0; i < RB; ++i)
+    for (int c = 0; c < C; ++c) {
+      _mm512_storeu_ps(acc + i * D + 32 * c,
+                       _mm512_permutex2var_ps(av[i][2 * c], b0, av[i][2 * c + 1]));
+      _mm512_storeu_ps(acc + i * D + 32 * c + 16,
+                       _mm512_permutex2var_ps(av[i][2 * c], b1, av[i][2 * c + 1]));
+    }
+}
+
+// P.V of a tile for all M rows (p [M, TILE], acc [M, D]), as many rows a block as their
+// accumulators and a V row fit the 32 vector registers
+template <int D>
+__attribute__((target(OASIS_BF16_TARGET), noinline)) void dot_values(
+    const float* p, float* acc, int64_t M, const uint16_t* v, int64_t v_ss, int64_t tn) {
+  constexpr int RB = D == 64 ? 6 : 2;  // (32 - D / 16 - 2) / (D / 16)
+  int64_t i = 0;
+  for (; i + RB <= M; i += RB) dot_values_block<D, RB>(p + i * TILE, acc + i * D, v, v_ss, tn);
+  switch (M - i) {  // the rest, fewer than RB
+    case 5: return dot_values_block<D, 5>(p + i * TILE, acc + i * D, v, v_ss, tn);
+    case 4: return dot_values_block<D, 4>(p + i * TILE, acc + i * D, v, v_ss, tn);
+    case 3: return dot_values_block<D, 3>(p + i * TILE, acc + i * D, v, v_ss, tn);
+    case 2: return dot_values_block<D, 2>(p + i * TILE, acc + i * D, v, v_ss, tn);
+    case 1: return dot_values_block<D, 1>(p + i * TILE, acc + i * D, v, v_ss, tn);
+    default: return;
+  }
+}
+#endif
+
 // The unit's slots, a tile at a time: scores (key-major, W keys per vector), masks, online
 // softmax with a vectorized exp over the tile, then P.V as broadcast FMAs over d. D: the head
 // dim when fixed (64, 128), else 0; rows are padded with zeros to DP, a multiple of W.
-template <typename T, int D, int W>
+// DOT: the scores by dot_scores (vdpbf16ps on the bf16 rows in place; bf16, W 16 only).
+template <typename T, int D, int W, bool DOT = false>
 OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
                            std::vector<float>& buf) {
   using F = typename Vec<W>::f;
   static_assert(D % W == 0 && TILE % W == 0, "lanes divide the head dim and the tile");
+  static_assert(!DOT || (std::is_same_v<T, uint16_t> && W == 16), "DOT: bf16 on 16 lanes");
   constexpr int64_t DP = D;  // 0: runtime
   constexpr int64_t CMAX = D ? D / W : MAX_D / W;  // vectors of a row held in registers
   const int64_t d = D ? D : a.d, dp = D ? D : (a.d + W - 1) / W * W, C = dp / W;
   const int64_t G = a.group, h = u.h, b = u.b;
   const int64_t r0 = a.row_off[b], n = a.row_off[b + 1] - r0, M = n * G;
-  buf.resize(2 * M * dp + M * TILE + TILE * dp + 2 * M + 2 * TILE + 2 * W);
+  const int64_t qp = DOT ? (d + 31) / 32 * 32 : 0;  // DOT: a bf16 query row's padded length
+  buf.resize(2 * M * dp + M * TILE + TILE * dp + 2 * M + 2 * TILE + 2 * W + M * qp / 2 + M);
   float* qf = buf.data();       // [M, dp] the queries, scaled
   float* acc = qf + M * dp;     // [M, dp] the weighted values
   float* s = acc + M * dp;      // [M, TILE] a tile's scores, then its probabilities
@@ -302,6 +431,8 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
   float* mx = tf + TILE * dp;   // [M] running max
   float* l = mx + M;            // [M] running sum of exp(score - max)
   float* bias = l + M;          // [2, TILE] 0 or -inf: the masks of the normal row, the drafts
+  float* rmax = bias + 2 * TILE + 2 * W;  // DOT: [M] a tile's max score per row
+  uint16_t* qb = reinterpret_cast<uint16_t*>(rmax + M);  // DOT: [M, qp] the bf16 queries
   const T* q = static_cast<const T*>(a.q);
   for (int64_t j = 0; j < n; ++j) {
     const T* qr = q + a.rows[r0 + j] * a.q_rs + h * G * a.q_hs;
@@ -309,6 +440,11 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
       float* qi = qf + (j * G + g) * dp;
       widen<W>(qr + g * a.q_hs, qi, d, dp);
       for (int64_t c = 0; c < dp; ++c) qi[c] *= a.scale;
+      if constexpr (DOT) {
+        uint16_t* qbi = qb + (j * G + g) * qp;
+        std::copy(qr + g * a.q_hs, qr + g * a.q_hs + d, qbi);
+        std::fill(qbi + d, qbi + qp, uint16_t(0));
+      }
     }
   }
   std::fill(acc, acc + M * dp, 0.0f);
@@ -325,12 +461,18 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
     for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
       const int64_t tn = std::min(TILE, hi - t0), tw = (tn + W - 1) / W * W;
       const int64_t slot = first + t0 - pos;
-      // this tile's V rows and the next tile's K rows on their way while we score
-      prefetch_rows(vh + slot * a.v_ss, a.v_ss, tn, d);
-      prefetch_rows(kh + (slot + tn) * a.k_ss, a.k_ss, std::min(TILE, hi - t0 - tn), d);
-      // the tile's K rows in fp32 once (the padding up to W keys zeros)
-      for (int64_t t = 0; t < tn; ++t) widen<W>(kh + (slot + t) * a.k_ss, tf + t * dp, d, dp);
-      std::fill(tf + tn * dp, tf + tw * dp, 0.0f);
+      // this tile's V rows and the next tile's K rows on their way while we score; not with
+      // DOT, whose tiles are short enough that these bursts stall it (the hardware prefetchers
+      // follow the runs: dense 7K x6 1.73 -> 1.21 ms per call, 19 -> 27 GB/s)
+      if constexpr (!DOT) {
+        prefetch_rows(vh + slot * a.v_ss, a.v_ss, tn, d);
+        prefetch_rows(kh + (slot + tn) * a.k_ss, a.k_ss, std::min(TILE, hi - t0 - tn), d);
+      }
+      // the tile's K rows in fp32 once (the padding up to W keys zeros); DOT reads them in place
+      if constexpr (!DOT) {
+        for (int64_t t = 0; t < tn; ++t) widen<W>(kh + (slot + t) * a.k_ss, tf + t * dp, d, dp);
+        std::fill(tf + tn * dp, tf + tw * dp, 0.0f);
+      }
       // per row class, 0 where the slot is seen, -inf where masked or padding
       for (int64_t cls = 0; cls < (n > 1 ? 2 : 1); ++cls) {
         const Mask& mk = cls ? m1 : m0;
@@ -343,22 +485,31 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
         }
         std::fill(bc + tn, bc + tw, NEG_INF);
       }
+#ifdef OASIS_X86
+      if constexpr (DOT)  // every row's scores [tw] and their max at once
+        dot_scores<D>(qb, qp, M, G, kh + slot * a.k_ss, a.k_ss, tn, tw, d, a.scale, bias, s,
+                      rmax);
+#endif
       for (int64_t i = 0; i < M; ++i) {
-        const float* qi = qf + i * dp;
-        const float* bc = bias + (i < G ? 0 : TILE);
         float* si = s + i * TILE;
-        F qv[CMAX];
-        for (int64_t c = 0; c < C; ++c) qv[c] = vload<W>(qi + c * W);
-        // scores [tw]: W keys a vector
-        F vmax = F{} + NEG_INF;
-        for (int64_t t = 0; t < tw; t += W) {
-          const F sc = scores_w<W, DP>(qv, tf + t * dp, dp) + vload<W>(bc + t);
-          vstore<W>(si + t, sc);
-          vmax = vmax > sc ? vmax : sc;
+        float tmax = NEG_INF;
+        if constexpr (DOT) {
+          tmax = rmax[i];
+        } else {
+          const float* qi = qf + i * dp;
+          const float* bc = bias + (i < G ? 0 : TILE);
+          F qv[CMAX];
+          for (int64_t c = 0; c < C; ++c) qv[c] = vload<W>(qi + c * W);
+          // scores [tw]: W keys a vector
+          F vmax = F{} + NEG_INF;
+          for (int64_t t = 0; t < tw; t += W) {
+            const F sc = scores_w<W, DP>(qv, tf + t * dp, dp) + vload<W>(bc + t);
+            vstore<W>(si + t, sc);
+            vmax = vmax > sc ? vmax : sc;
+          }
+          for (int k = 0; k < W; ++k) tmax = std::max(tmax, vmax[k]);
         }
         // online softmax: scores -> probabilities against the running max
-        float tmax = NEG_INF;
-        for (int k = 0; k < W; ++k) tmax = std::max(tmax, vmax[k]);
         const float mnew = std::max(mx[i], tmax);
         if (mnew == NEG_INF) {  // nothing seen yet: nothing to add
           std::fill(si, si + tw, 0.0f);
@@ -383,6 +534,12 @@ OASIS_INLINE void run_unit(const Args& a, const Unit& u, float* partials,
       }
       // values: read in place when rows are whole vectors (d a multiple of W), RB rows at once
       if (d == dp) {
+#ifdef OASIS_X86
+        if constexpr (DOT && D != 0) {
+          dot_values<D>(s, acc, M, vh + slot * a.v_ss, a.v_ss, tn);
+          continue;
+        }
+#endif
         constexpr int RB = pv_rows_max<D, W>();
         for (int64_t i = 0; i < M; i += RB)
           pv_rows<T, D, W, RB>(std::min<int64_t>(RB, M - i), s + i * TILE, acc + i * dp,
@@ -469,10 +626,10 @@ void merge(const Args& a, const Unit* units, int64_t chunks, const float* partia
 
 using UnitsFn = void (*)(const Args&, const Unit*, int64_t, float*);
 
-template <typename T, int D, int W>
+template <typename T, int D, int W, bool DOT = false>
 OASIS_INLINE void run_units(const Args& a, const Unit* u, int64_t count, float* partials) {
   std::vector<float> buf;
-  for (int64_t i = 0; i < count; ++i) run_unit<T, D, W>(a, u[i], partials, buf);
+  for (int64_t i = 0; i < count; ++i) run_unit<T, D, W, DOT>(a, u[i], partials, buf);
 }
 
 // One copy of the kernels per instruction set, each on its own vector width W
@@ -500,10 +657,26 @@ OASIS_INLINE void run_units(const Args& a, const Unit* u, int64_t count, float* 
     return d == 64 ? ISA##_f32_64 : d == 128 ? ISA##_f32_128 : ISA##_f32_any;               \
   }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define OASIS_X86 1
-OASIS_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))), 16)
+#ifdef OASIS_X86
+#define OASIS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+OASIS_KERNELS(avx512, OASIS_AVX512, 16)
 OASIS_KERNELS(avx2, __attribute__((target("avx2,fma"))), 8)
+
+// avx512bf16: the avx512 loops with the bf16 scores by vdpbf16ps (dot_scores); fp32 inputs get
+// the avx512 loops unchanged (their queries are not rounded to bf16)
+OASIS_AVX512 void avx512bf16_bf16_64(const Args& a, const Unit* u, int64_t n, float* p) {
+  run_units<uint16_t, 64, 16, true>(a, u, n, p);
+}
+OASIS_AVX512 void avx512bf16_bf16_128(const Args& a, const Unit* u, int64_t n, float* p) {
+  run_units<uint16_t, 128, 16, true>(a, u, n, p);
+}
+OASIS_AVX512 void avx512bf16_bf16_any(const Args& a, const Unit* u, int64_t n, float* p) {
+  run_units<uint16_t, 0, 16, true>(a, u, n, p);
+}
+UnitsFn avx512bf16_pick(bool bf16, int64_t d) {
+  if (!bf16) return avx512_pick(false, d);
+  return d == 64 ? avx512bf16_bf16_64 : d == 128 ? avx512bf16_bf16_128 : avx512bf16_bf16_any;
+}
 #endif
 OASIS_KERNELS(base, , 4)
 
@@ -514,8 +687,10 @@ std::vector<std::string> isas() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("fma"))
+      __builtin_cpu_supports("fma")) {
+    if (__builtin_cpu_supports("avx512bf16")) out.push_back("avx512bf16");
     out.push_back("avx512");
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back("avx2");
 #endif
   out.push_back("base");
@@ -524,6 +699,7 @@ std::vector<std::string> isas() {
 
 UnitsFn pick(const std::string& isa, bool bf16, int64_t d) {
 #ifdef OASIS_X86
+  if (isa == "avx512bf16") return avx512bf16_pick(bf16, d);
   if (isa == "avx512") return avx512_pick(bf16, d);
   if (isa == "avx2") return avx2_pick(bf16, d);
 #endif
