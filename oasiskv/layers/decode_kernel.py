@@ -64,9 +64,11 @@ def choice(env: str, choices: tuple[str, ...], default: str) -> str:
 
 
 def build_dir(source: Path) -> Path:
-    """Where this source's build lives: one folder per source text, torch, Python and flags."""
-    key = hashlib.sha256("\0".join([source.read_text(), torch.__version__, sys.version,
-                                    *FLAGS, *LDFLAGS]).encode()).hexdigest()[:16]
+    """Where this source's build lives: one folder per source text (with the headers beside
+    it, which it includes), torch, Python and flags."""
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, torch.__version__,
+                                    sys.version, *FLAGS, *LDFLAGS]).encode()).hexdigest()[:16]
     root = Path(os.environ.get("OASISKV_CACHE", Path.home() / ".cache" / "oasiskv"))
     return root / "ext" / f"{source.stem}_{key}"
 

@@ -22,11 +22,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define OASIS_X86 1
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -35,8 +30,7 @@
 #include <string>
 #include <vector>
 
-// the vector types below never cross a call (everything is inlined into one function per ISA)
-#pragma GCC diagnostic ignored "-Wpsabi"
+#include "simd.h"
 
 namespace {
 
@@ -46,8 +40,6 @@ constexpr int GC_MAX = 4;  // query heads accumulated at once (two sets of GC_MA
 #define OASIS_AHEAD 2
 #endif
 constexpr int AHEAD = OASIS_AHEAD;  // candidates prefetched ahead
-
-#define OASIS_INLINE inline __attribute__((always_inline))
 
 struct Args {
   const uint8_t* pool;  // [rows, d, row_bytes] codes (int8: row_bytes B; 4-bit: B / 2)
@@ -59,39 +51,6 @@ struct Args {
   float* out;           // [N, c]
   int64_t c, G, d, B, row_bytes;
   bool nibbles;
-};
-
-// exp(x) to about 1 ulp (Cephes' expf polynomial), as decode_attention.cpp; below -87: 0
-OASIS_INLINE float fexp(float x) {
-  const float xc = std::min(std::max(x, -87.0f), 88.0f);
-  const float t = xc * 1.44269504088896341f;
-  const int32_t n = int32_t(t + (t >= 0.0f ? 0.5f : -0.5f));
-  const float nf = float(n);
-  float r = xc - nf * 0.693359375f;
-  r = r + nf * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const uint32_t bits = uint32_t(n + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return x < -87.0f ? 0.0f : p * scale;
-}
-
-// ---- vectors of W fp32 lanes (GCC/clang vector extensions; W = 16, 8, 4)
-
-template <int W>
-struct Vec {
-  typedef float f __attribute__((vector_size(W * 4)));
-  typedef int32_t i __attribute__((vector_size(W * 4)));
-  typedef int8_t b __attribute__((vector_size(W)));
-  typedef uint8_t ub __attribute__((vector_size(W)));
-  typedef int16_t s __attribute__((vector_size(W * 2)));
-  typedef uint16_t us __attribute__((vector_size(W * 2)));
 };
 
 // W bytes widened to W int32 lanes: s8 signed, u8 unsigned, u8_twice W/2 bytes twice (lanes
@@ -111,7 +70,7 @@ struct Widen {
   static OASIS_INLINE I u8(const uint8_t* p) {
     typename Vec<W>::ub x;
     std::memcpy(&x, p, W);
-    return __builtin_convertvector(__builtin_convertvector(x, typename Vec<W>::us), I);
+    return __builtin_convertvector(__builtin_convertvector(x, typename Vec<W>::h), I);
   }
   static OASIS_INLINE I u8_twice(const uint8_t* p) {
     typename Vec<W>::ub x{}, both;
@@ -122,13 +81,11 @@ struct Widen {
       both = __builtin_shufflevector(x, x, 0, 1, 2, 3, 0, 1, 2, 3);
     else
       both = __builtin_shufflevector(x, x, 0, 1, 0, 1);
-    return __builtin_convertvector(__builtin_convertvector(both, typename Vec<W>::us), I);
+    return __builtin_convertvector(__builtin_convertvector(both, typename Vec<W>::h), I);
   }
 };
 
 #ifdef OASIS_X86
-#define OASIS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
-#define OASIS_AVX2 __attribute__((target("avx2,fma")))
 
 template <>
 struct Widen<16> {
@@ -162,39 +119,6 @@ struct Widen<8> {
   }
 };
 #endif
-
-template <int W>
-OASIS_INLINE typename Vec<W>::f vload(const float* p) {
-  typename Vec<W>::f v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-template <int W>
-OASIS_INLINE void vstore(float* p, typename Vec<W>::f v) { std::memcpy(p, &v, sizeof v); }
-
-template <int W>
-OASIS_INLINE typename Vec<W>::f vexp(typename Vec<W>::f x) {  // fexp lane by lane
-  using F = typename Vec<W>::f;
-  using I = typename Vec<W>::i;
-  const F lo = F{} - 87.0f, hi = F{} + 88.0f;
-  const F xc = x < lo ? lo : (x > hi ? hi : x);
-  const F t = xc * 1.44269504088896341f;
-  const I n = __builtin_convertvector(t + (t >= 0.0f ? F{} + 0.5f : F{} - 0.5f), I);
-  const F nf = __builtin_convertvector(n, F);
-  F r = xc - nf * 0.693359375f;
-  r = r + nf * 2.12194440e-4f;
-  F p = F{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const F scale = (F)((n + 127) << 23);
-  return x < lo ? F{} : p * scale;
-}
-
-#define OASIS_SHUF __builtin_shufflevector
 
 template <int W, int S>
 OASIS_INLINE typename Vec<W>::f swapped(typename Vec<W>::f v) {  // lane k <- lane k ^ S
@@ -315,46 +239,6 @@ OASIS_INLINE void prefetch_block(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
 }
 
-// Adjacent lanes of a and b summed pairwise within 128-bit blocks (hadd): lane 2i of each block
-// gets a's pair i, lane 2i+1 b's (as decode_attention.cpp's)
-template <int W>
-OASIS_INLINE typename Vec<W>::f pair_sums(typename Vec<W>::f a, typename Vec<W>::f b) {
-  if constexpr (W == 16)
-    return OASIS_SHUF(a, b, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
-           OASIS_SHUF(a, b, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
-  else if constexpr (W == 8)
-    return OASIS_SHUF(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
-           OASIS_SHUF(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
-  else
-    return OASIS_SHUF(a, b, 0, 2, 4, 6) + OASIS_SHUF(a, b, 1, 3, 5, 7);
-}
-
-// r[k] = the sum of v[k]'s lanes, k < W (as decode_attention.cpp's): W blocks' sums at the
-// cost of about two operations a vector, where one vector's sum alone costs eight
-template <int W>
-OASIS_INLINE typename Vec<W>::f hsums(const typename Vec<W>::f* v) {
-  using F = typename Vec<W>::f;
-  F g[W / 4];
-  for (int m = 0; m < W / 4; ++m)  // g[m]: block k, lane i = block k of v[4m + i]
-    g[m] = pair_sums<W>(pair_sums<W>(v[4 * m], v[4 * m + 1]),
-                        pair_sums<W>(v[4 * m + 2], v[4 * m + 3]));
-  if constexpr (W == 16) {
-    const F e0 = OASIS_SHUF(g[0], g[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                 OASIS_SHUF(g[0], g[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                            30, 31);
-    const F e1 = OASIS_SHUF(g[2], g[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                 OASIS_SHUF(g[2], g[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                            30, 31);
-    return OASIS_SHUF(e0, e1, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           OASIS_SHUF(e0, e1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  } else if constexpr (W == 8) {
-    return OASIS_SHUF(g[0], g[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           OASIS_SHUF(g[0], g[1], 4, 5, 6, 7, 12, 13, 14, 15);
-  } else {
-    return g[0];
-  }
-}
-
 // Groups [lo, hi), in two passes each. 1: the real candidates' scaled logits [c, G, B] (a
 // block's codes read once, the next ones prefetched). 2: per query head, its max M over all of
 // them, each block's s = sum_b exp(logit - M) (W blocks' sums at once), its share s / sum s
@@ -467,20 +351,8 @@ OASIS_KERNELS(avx2, OASIS_AVX2, 8)
 #endif
 OASIS_KERNELS(base, , 4)
 
-// The instruction sets this CPU runs, best first
-std::vector<std::string> isas() {
-  std::vector<std::string> out;
-#ifdef OASIS_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("fma"))
-    out.push_back("avx512");
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back("avx2");
-#endif
-  out.push_back("base");
-  return out;
-}
+
+std::vector<std::string> isas() { return cpu_isas(false); }
 
 GroupsFn pick(const std::string& isa, int64_t B, bool nib) {
 #ifdef OASIS_X86

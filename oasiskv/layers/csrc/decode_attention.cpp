@@ -37,21 +37,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define OASIS_X86 1
-#include <immintrin.h>
-#endif
-
-// the vector types below never cross a call (everything is inlined into one function per ISA)
-#pragma GCC diagnostic ignored "-Wpsabi"
+#include "simd.h"
 
 namespace {
 
 constexpr int64_t TILE = 64;  // slots scored before their values are read
 constexpr int64_t MAX_D = 512;  // the largest head dim (a row's vectors live on the stack)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-
-#define OASIS_INLINE inline __attribute__((always_inline))
 
 struct Mask {  // bool [Hkv, >= T]: slot s of head h is seen iff ptr[h * hs + s * ss]
   const uint8_t* ptr = nullptr;
@@ -91,116 +83,11 @@ OASIS_INLINE float load(const uint16_t* p, int64_t j) {  // bf16: the high half 
 OASIS_INLINE void store(float* p, int64_t j, float x) { p[j] = x; }
 OASIS_INLINE void store(uint16_t* p, int64_t j, float x) { p[j] = c10::BFloat16(x).x; }
 
-// exp(x) to about 1 ulp (Cephes' expf polynomial), branch-free so that loops vectorize;
-// exp(-inf) and anything below -87 is 0
-OASIS_INLINE float fexp(float x) {
-  const float xc = std::min(std::max(x, -87.0f), 88.0f);
-  const float t = xc * 1.44269504088896341f;
-  const int32_t n = int32_t(t + (t >= 0.0f ? 0.5f : -0.5f));
-  const float nf = float(n);
-  float r = xc - nf * 0.693359375f;
-  r = r + nf * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const uint32_t bits = uint32_t(n + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return x < -87.0f ? 0.0f : p * scale;
-}
-
-// ---- vectors of W fp32 lanes (GCC/clang vector extensions; W = 16, 8, 4 per instruction set)
-
-template <int W>
-struct Vec {
-  typedef float f __attribute__((vector_size(W * 4)));
-  typedef int32_t i __attribute__((vector_size(W * 4)));
-  typedef uint32_t u __attribute__((vector_size(W * 4)));
-  typedef uint16_t h __attribute__((vector_size(W * 2)));
-};
-
-template <int W>
-OASIS_INLINE typename Vec<W>::f vload(const float* p) {
-  typename Vec<W>::f v;
-  std::memcpy(&v, p, sizeof v);  // unaligned
-  return v;
-}
 template <int W>
 OASIS_INLINE typename Vec<W>::f vload(const uint16_t* p) {  // bf16: shifted into the high half
   typename Vec<W>::h h;
   std::memcpy(&h, p, sizeof h);
   return (typename Vec<W>::f)(__builtin_convertvector(h, typename Vec<W>::u) << 16);
-}
-template <int W>
-OASIS_INLINE void vstore(float* p, typename Vec<W>::f v) { std::memcpy(p, &v, sizeof v); }
-
-// fexp on W lanes, the same operations lane by lane
-template <int W>
-OASIS_INLINE typename Vec<W>::f vexp(typename Vec<W>::f x) {
-  using F = typename Vec<W>::f;
-  using I = typename Vec<W>::i;
-  const F lo = F{} - 87.0f, hi = F{} + 88.0f;
-  const F xc = x < lo ? lo : (x > hi ? hi : x);
-  const F t = xc * 1.44269504088896341f;
-  const I n = __builtin_convertvector(t + (t >= 0.0f ? F{} + 0.5f : F{} - 0.5f), I);
-  const F nf = __builtin_convertvector(n, F);
-  F r = xc - nf * 0.693359375f;
-  r = r + nf * 2.12194440e-4f;
-  F p = F{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const F scale = (F)((n + 127) << 23);
-  return x < lo ? F{} : p * scale;
-}
-
-#define OASIS_SHUF __builtin_shufflevector
-
-// Adjacent lanes of a and b summed pairwise within 128-bit blocks (hadd): lane 2i of each block
-// gets a's pair i, lane 2i+1 b's
-template <int W>
-OASIS_INLINE typename Vec<W>::f pair_sums(typename Vec<W>::f a, typename Vec<W>::f b) {
-  if constexpr (W == 16)
-    return OASIS_SHUF(a, b, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
-           OASIS_SHUF(a, b, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
-  else if constexpr (W == 8)
-    return OASIS_SHUF(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
-           OASIS_SHUF(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
-  else
-    return OASIS_SHUF(a, b, 0, 2, 4, 6) + OASIS_SHUF(a, b, 1, 3, 5, 7);
-}
-
-// r[k] = the sum of v[k]'s lanes, k < W: adjacent lanes paired (hadd) within 128-bit blocks,
-// then the blocks summed across; the shuffles pair what the instruction sets pair cheaply
-template <int W>
-OASIS_INLINE typename Vec<W>::f hsums(const typename Vec<W>::f* v) {
-  using F = typename Vec<W>::f;
-  F g[W / 4];
-  for (int m = 0; m < W / 4; ++m)  // g[m]: block k, lane i = block k of v[4m + i]
-    g[m] = pair_sums<W>(pair_sums<W>(v[4 * m], v[4 * m + 1]),
-                        pair_sums<W>(v[4 * m + 2], v[4 * m + 3]));
-  if constexpr (W == 16) {  // blocks (0+2, 1+3) of g0, g1 and of g2, g3, then (0+1) of each
-    const F e0 = OASIS_SHUF(g[0], g[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                 OASIS_SHUF(g[0], g[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                            30, 31);
-    const F e1 = OASIS_SHUF(g[2], g[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                 OASIS_SHUF(g[2], g[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                            30, 31);
-    return OASIS_SHUF(e0, e1, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           OASIS_SHUF(e0, e1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  } else if constexpr (W == 8) {
-    return OASIS_SHUF(g[0], g[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           OASIS_SHUF(g[0], g[1], 4, 5, 6, 7, 12, 13, 14, 15);
-  } else {
-    return g[0];
-  }
 }
 
 // One query row's running state gets a single more score (the drafts' own K/V)
@@ -658,9 +545,8 @@ OASIS_INLINE void run_units(const Args& a, const Unit* u, int64_t count, float* 
   }
 
 #ifdef OASIS_X86
-#define OASIS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 OASIS_KERNELS(avx512, OASIS_AVX512, 16)
-OASIS_KERNELS(avx2, __attribute__((target("avx2,fma"))), 8)
+OASIS_KERNELS(avx2, OASIS_AVX2, 8)
 
 // avx512bf16: the avx512 loops with the bf16 scores by vdpbf16ps (dot_scores); fp32 inputs get
 // the avx512 loops unchanged (their queries are not rounded to bf16)
@@ -680,22 +566,8 @@ UnitsFn avx512bf16_pick(bool bf16, int64_t d) {
 #endif
 OASIS_KERNELS(base, , 4)
 
-// The instruction sets this CPU runs, best first
-std::vector<std::string> isas() {
-  std::vector<std::string> out;
-#ifdef OASIS_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("fma")) {
-    if (__builtin_cpu_supports("avx512bf16")) out.push_back("avx512bf16");
-    out.push_back("avx512");
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back("avx2");
-#endif
-  out.push_back("base");
-  return out;
-}
+
+std::vector<std::string> isas() { return cpu_isas(true); }
 
 UnitsFn pick(const std::string& isa, bool bf16, int64_t d) {
 #ifdef OASIS_X86
