@@ -37,6 +37,10 @@ constexpr int MR = 8;  // rows of x per pass over a group of blocks
 #define OASIS_PREFETCH 1024
 #endif
 constexpr int64_t AHEAD = OASIS_PREFETCH;  // bytes of each block's stream prefetched ahead
+#ifndef OASIS_NB
+#define OASIS_NB 3
+#endif
+constexpr int NB = OASIS_NB;  // blocks at once (MR x NB accumulators of 32 registers)
 
 struct Args {
   const uint16_t* x;   // [M, Kp] bf16
@@ -49,18 +53,18 @@ struct Args {
 #ifdef OASIS_X86
 #define OASIS_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,avx512bf16")))
 
-// Rows [r0, r0 + R) of x times blocks [b0, b0 + NB): R x NB sums of 16 outputs each
-template <int R, int NB>
+// Rows [r0, r0 + R) of x times blocks [b0, b0 + G): R x G sums of 16 outputs each
+template <int R, int G>
 OASIS_BF16 inline void tile(const Args& a, int64_t r0, int64_t b0) {
   const int64_t pairs = a.Kp / 2, bstride = a.Kp * 16;
   const uint16_t* w = a.w + b0 * bstride;
   const uint16_t* x = a.x + r0 * a.Kp;
-  __m512 acc[R][NB];
+  __m512 acc[R][G];
   for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int b = 0; b < G; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t j = 0; j < pairs; ++j) {
-    __m512i wv[NB];
-    for (int b = 0; b < NB; ++b) {
+    __m512i wv[G];
+    for (int b = 0; b < G; ++b) {
       const uint16_t* p = w + b * bstride + j * 32;
       if (AHEAD) __builtin_prefetch(reinterpret_cast<const char*>(p) + AHEAD);
       wv[b] = _mm512_loadu_si512(p);
@@ -69,11 +73,11 @@ OASIS_BF16 inline void tile(const Args& a, int64_t r0, int64_t b0) {
       int32_t pair;
       std::memcpy(&pair, x + r * a.Kp + 2 * j, 4);
       const __m512i xv = _mm512_set1_epi32(pair);
-      for (int b = 0; b < NB; ++b)
+      for (int b = 0; b < G; ++b)
         acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xv, (__m512bh)wv[b]);
     }
   }
-  for (int b = 0; b < NB; ++b) {
+  for (int b = 0; b < G; ++b) {
     const int64_t n0 = (b0 + b) * 16;
     const int64_t left = std::min<int64_t>(16, a.N - n0);
     const __mmask16 keep = left == 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
@@ -87,27 +91,27 @@ OASIS_BF16 inline void tile(const Args& a, int64_t r0, int64_t b0) {
   }
 }
 
-// NB blocks from b0 for all rows, in chunks of up to MR rows
-template <int NB>
+// G blocks from b0 for all rows, in chunks of up to MR rows
+template <int G>
 OASIS_BF16 void blocks(const Args& a, int64_t b0) {
   for (int64_t r0 = 0; r0 < a.M; r0 += MR) {
     switch (std::min<int64_t>(MR, a.M - r0)) {
-      case 1: tile<1, NB>(a, r0, b0); break;
-      case 2: tile<2, NB>(a, r0, b0); break;
-      case 3: tile<3, NB>(a, r0, b0); break;
-      case 4: tile<4, NB>(a, r0, b0); break;
-      case 5: tile<5, NB>(a, r0, b0); break;
-      case 6: tile<6, NB>(a, r0, b0); break;
-      case 7: tile<7, NB>(a, r0, b0); break;
-      default: tile<8, NB>(a, r0, b0); break;
+      case 1: tile<1, G>(a, r0, b0); break;
+      case 2: tile<2, G>(a, r0, b0); break;
+      case 3: tile<3, G>(a, r0, b0); break;
+      case 4: tile<4, G>(a, r0, b0); break;
+      case 5: tile<5, G>(a, r0, b0); break;
+      case 6: tile<6, G>(a, r0, b0); break;
+      case 7: tile<7, G>(a, r0, b0); break;
+      default: tile<8, G>(a, r0, b0); break;
     }
   }
 }
 
-// Blocks [lo, hi): three at a time (up to 24 accumulators of 32 registers), then one by one
+// Blocks [lo, hi): NB at a time, then one by one
 OASIS_BF16 void run(const Args& a, int64_t lo, int64_t hi) {
   int64_t b = lo;
-  for (; b + 3 <= hi; b += 3) blocks<3>(a, b);
+  for (; b + NB <= hi; b += NB) blocks<NB>(a, b);
   for (; b < hi; ++b) blocks<1>(a, b);
 }
 #endif
