@@ -110,6 +110,12 @@ def test_onednn_choice_keeps_the_packed_path(ext, monkeypatch):
         layer(64, 48, False)
 
 
+def test_a_cpu_without_avx512_bf16_keeps_the_packed_path(ext, monkeypatch):
+    monkeypatch.setattr(ext, "isas", lambda: [])  # as the kernel answers on such a CPU
+    lin = layer(64, 48, False)
+    assert lin.gemv_packed is None and lin.packed is not None
+
+
 def test_float32_never_takes_the_kernel(ext):
     lin = Linear(64, 48)
     lin.pack()
