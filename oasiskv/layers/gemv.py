@@ -1,7 +1,10 @@
 """The decode linears in bfloat16 by a hand-written CPU kernel (`layers/csrc/gemv_bf16.cpp`):
 y = x @ W^T (+ bias) for a few rows, on CPUs with AVX-512 BF16 (vdpbf16ps), summed in fp32
 and rounded once to bf16 as oneDNN does. At 1-6 rows oneDNN's packed bf16 linear reads the
-weights at ~15 GB/s; the kernel streams them once per call, every row's sums in registers.
+weights at ~15-20 GB/s; the kernel streams them once per call, every row's sums in registers:
+SmolLM2-135M's step of linears (296 MB) 10.8 ms vs 16.3 at one row, 11.4 vs 15.0 at 6, 16.8 vs
+21.9 at 16 (2-core Zen 4; batch-1 7K dense TPOT 33 -> 24-25 ms;
+docs/results/2026-12-07-linear-kernel.md).
 
 The weight is packed once at load (`pack`, from `Linear.pack`) into blocks of 16 output rows
 with K in pairs, [Nb, Kp/2, 16, 2]: one vector is a pair of K for 16 outputs, so one
