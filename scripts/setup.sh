@@ -43,6 +43,11 @@ OASISKV_ATTENTION=kernel python -W error::RuntimeWarning -c \
 OASISKV_RERANK=kernel python -W error::RuntimeWarning -c \
   "from oasiskv.kv.block_mass import extension; extension()" \
   || echo "note: the rerank's block-mass kernel did not build (see above)" >&2
+# The bf16 linear kernel (oasiskv/layers/gemv.py), likewise; if it cannot be built, the
+# linears run with oneDNN (as they do on CPUs without AVX-512 BF16)
+OASISKV_LINEAR=kernel python -W error::RuntimeWarning -c \
+  "from oasiskv.layers.gemv import extension; extension()" \
+  || echo "note: the bf16 linear kernel did not build (see above)" >&2
 # llama.cpp, the CPU peer of `bench throughput --peer llamacpp`: pip compiles it (about 4-6
 # minutes on 2 cores; only the library, not its tools), without AMX, and again whenever the
 # installed build is not the one the script records (an older build may crash on AMX CPUs)

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from oasiskv.layers import gemv
+
 SMALL_BATCH = 16  # float32, unpacked: below this many rows `W @ x.T` beats F.linear
 FP32_GEMV_ROWS = 2  # float32: up to this many rows `W @ x.T` beats the packed weight
 
@@ -28,6 +30,7 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (inference)
+    gemv_packed: gemv.Packed | None = None  # the bf16 kernel's copy (few rows; layers/gemv.py)
 
     def pack(self) -> None:
         """Keeps a copy of the weight that oneDNN reads without repacking (inference on CPU:
@@ -35,14 +38,20 @@ class Linear(nn.Linear):
         if can_pack(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                                   SMALL_BATCH)
+            self.gemv_packed = gemv.pack(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if gemv.serves(self.gemv_packed, x):  # bf16, a few rows, inference: the kernel
+            return gemv.linear(self.gemv_packed, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else SMALL_BATCH
-        gemv = x.dtype == torch.float32 and x.device.type == "cpu"
+        fp32 = x.dtype == torch.float32 and x.device.type == "cpu"
         if self.packed is not None and not torch.is_grad_enabled() and not (
-                gemv and rows <= FP32_GEMV_ROWS):
+                fp32 and rows <= FP32_GEMV_ROWS):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if not gemv or rows >= SMALL_BATCH:
+        if not fp32 or rows >= SMALL_BATCH:
             return F.linear(x, self.weight, self.bias)
         cols = x if rows > 1 else torch.cat([x, x])
         out = torch.matmul(self.weight, cols.T)[:, :rows].T  # [rows, out]
@@ -60,4 +69,4 @@ def pack_linears(model: nn.Module, like: nn.Module | None = None) -> None:
         return
     for module, other in zip(model.modules(), like.modules(), strict=True):
         if isinstance(module, Linear):
-            module.packed = other.packed
+            module.packed, module.gemv_packed = other.packed, other.gemv_packed

@@ -10,6 +10,8 @@ from oasiskv.config import ModelConfig
 from oasiskv.engine import runner as runner_module
 from oasiskv.engine.runner import ModelRunner, allocate_kv
 from oasiskv.kv.blocks import BlockPool, is_contiguous
+from oasiskv.layers import gemv
+from oasiskv.layers.linear import Linear, pack_linears
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.models.loader import load_checkpoint
 from oasiskv.sampling_params import SamplingParams
@@ -39,13 +41,12 @@ def ours_and_hf(tmp_path, case, device="cpu"):
     return model.to(device).eval(), hf.to(device)
 
 
-def run_chunks(model, tokens, chunks, num_blocks=64, scatter=False):
+def run_chunks(model, tokens, chunks, num_blocks=64, scatter=False, dtype=torch.float32):
     """Feeds `tokens` through our runner in the given chunk sizes; returns logits [T, V] and
     the block table used (the KV pool on the model's device)."""
     pool = BlockPool(num_blocks, 16)
     device = model.lm_head.weight.device
-    runner = ModelRunner(model, allocate_kv(model.config, num_blocks, 16, torch.float32,
-                                            device), 16)
+    runner = ModelRunner(model, allocate_kv(model.config, num_blocks, 16, dtype, device), 16)
     seq = Sequence("s", list(tokens), len(tokens), SamplingParams())
     logits = []
     for n in chunks:
@@ -103,6 +104,35 @@ def test_hf_incremental_decode_with_cache_agrees(tmp_path):
     got, _ = run_chunks(model, tokens, [30] + [1] * 10)
     torch.testing.assert_close(got[[29] + list(range(30, 40))], torch.stack(ref),
                                atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_decode_with_the_linear_kernel_matches_onednn_and_transformers(tmp_path,
+                                                                          monkeypatch):
+    """bf16, packed as the engine packs: the decode steps' linears (one row) by the kernel
+    (layers/gemv.py) give the logits oneDNN's give, to bf16 rounding, and transformers' fp32
+    ones to bf16's error over the model; prefill (70 rows) takes oneDNN either way."""
+    monkeypatch.setenv(gemv.ENV, "kernel")
+    if gemv.extension() is None:
+        pytest.skip("the linear kernel does not run here (no AVX-512 BF16)")
+    model, hf = ours_and_hf(tmp_path, "qwen2")  # q/k/v biases
+    tokens = torch.randint(0, model.config.vocab_size, (90,)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0, 69:]  # [21, V] the decode steps'
+    model = model.to(torch.bfloat16)
+    got, calls, real = {}, [], gemv.linear
+    monkeypatch.setattr(gemv, "linear", lambda p, x: calls.append(x.shape[0]) or real(p, x))
+    for choice in ("onednn", "kernel"):
+        monkeypatch.setenv(gemv.ENV, choice)
+        pack_linears(model)
+        kernel = [m.gemv_packed is not None for m in model.modules() if isinstance(m, Linear)]
+        assert all(kernel) == (choice == "kernel") and any(kernel) == all(kernel)
+        got[choice] = run_chunks(model, tokens, [70] + [1] * 20, dtype=torch.bfloat16)[0][69:]
+    # per decode step: 2 layers x (qkv, o, gate_up, down) and lm_head, one row each
+    assert calls == [1] * 20 * 9
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(got["kernel"].float(), got["onednn"].float(), rtol=0,
+                               atol=0.02 * scale)
+    torch.testing.assert_close(got["kernel"].float(), ref, rtol=0, atol=0.05 * scale)
 
 
 def test_fused_projections_load_from_separate_ones(tmp_path):
