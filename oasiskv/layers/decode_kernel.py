@@ -19,8 +19,8 @@ Zen 4), two threads, bf16, ms per layer call (`scripts/bench_attention.py --roun
 docs/results/2026-12-07-decode-kernel.md): dense 7K x1 0.40 vs gqa 0.62, dense 7K x6 2.24 vs
 4.40, sparse K=128 x6 slabs 0.90 vs 1.10 (side by side) and 1.62 (apart); still compute-bound
 (~14 GB/s for two threads: the scores' FMAs and lane reductions).
-`load()` builds any source of csrc/ the same way (the rerank's `kv/block_mass.py` too), each
-source its own choice of environment and fallback.
+`load()` builds any source of csrc/ the same way (the rerank's `kv/block_mass.py`, the linear
+layers' `layers/gemv.py`), each source its own choice of environment and fallback.
 """
 
 from __future__ import annotations

@@ -179,7 +179,6 @@ OASIS_INLINE void prefetch_rows(const T* p, int64_t ss, int64_t n, int64_t d) {
 }
 
 #ifdef OASIS_X86
-#define OASIS_BF16_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,avx512bf16"
 
 // A tile's scores for all M query rows with vdpbf16ps (the avx512bf16 tier, bf16 only): each
 // instruction multiplies 32 bf16 of a query row by 32 of a K row read in place (products exact

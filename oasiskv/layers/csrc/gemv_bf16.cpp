@@ -17,18 +17,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <string>
-#include <vector>
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define OASIS_X86 1
-#include <immintrin.h>
-#endif
-
-#pragma GCC diagnostic ignored "-Wpsabi"
+#include "simd.h"
 
 namespace {
 
@@ -51,7 +40,7 @@ struct Args {
 };
 
 #ifdef OASIS_X86
-#define OASIS_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,avx512bf16")))
+#define OASIS_BF16 __attribute__((target(OASIS_BF16_TARGET)))
 
 // Rows [r0, r0 + R) of x times blocks [b0, b0 + G): R x G sums of 16 outputs each
 template <int R, int G>
@@ -118,15 +107,9 @@ OASIS_BF16 void run(const Args& a, int64_t lo, int64_t hi) {
 
 // The instruction sets this CPU runs the kernel with (empty: none; gemv.py keeps oneDNN)
 std::vector<std::string> isas() {
-  std::vector<std::string> out;
-#ifdef OASIS_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx512bf16"))
-    out.push_back("avx512bf16");
-#endif
-  return out;
+  const auto all = cpu_isas(true);
+  if (std::find(all.begin(), all.end(), "avx512bf16") != all.end()) return {"avx512bf16"};
+  return {};
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
-// What the CPU kernels in this folder share (decode_attention.cpp, block_mass.cpp): vectors of
+// What the CPU kernels in this folder share (decode_attention.cpp, block_mass.cpp,
+// gemv_bf16.cpp): vectors of
 // W fp32 lanes as GCC/clang vector extensions (so that no hot loop depends on the
 // auto-vectorizer), an exp accurate to about 1 ulp on them, lane sums, the per-ISA target
 // attributes and the CPUID check of which instruction sets this CPU runs. Each kernel compiles
@@ -25,6 +26,8 @@
 #define OASIS_SHUF __builtin_shufflevector
 #define OASIS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 #define OASIS_AVX2 __attribute__((target("avx2,fma")))
+// AVX-512 with its BF16 dot products (vdpbf16ps), for the avx512bf16 tiers
+#define OASIS_BF16_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,avx512bf16"
 
 namespace {
 
