@@ -27,14 +27,6 @@ def ext(kernel_on):
     return e
 
 
-@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def layer(k: int, n: int, bias: bool, seed: int = 0) -> Linear:
     torch.manual_seed(seed)
     lin = Linear(k, n, bias=bias).to(torch.bfloat16)

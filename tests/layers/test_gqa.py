@@ -21,15 +21,6 @@ SLOTS = 600  # pool slots
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=8e-3, rtol=8e-3)}
 
 
-@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request):
-    """The values' product is per head on one thread, batched over the heads on more."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def layers(hkv: int, group: int, dtype: torch.dtype, g: torch.Generator):
     """The new layer and the reference over the same random pools."""
     pools = {"device": (torch.randn(hkv, SLOTS, D, generator=g).to(dtype),
