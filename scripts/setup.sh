@@ -32,22 +32,17 @@ then
     echo "note: install the Austen novels with: sudo apt-get install r-cran-janeaustenr" >&2
   fi
 fi
-# The decode-attention kernel (oasiskv/layers/decode_kernel.py): compiled once here (about a
-# minute) into ~/.cache/oasiskv/ext, so that no run or test pays for it; if it cannot be built,
-# attention warns and decodes with layers/gqa.py
-OASISKV_ATTENTION=kernel python -W error::RuntimeWarning -c \
-  "from oasiskv.layers.decode_kernel import extension; extension()" \
-  || echo "note: the decode-attention kernel did not build (see above)" >&2
-# The rerank's block-mass kernel (oasiskv/kv/block_mass.py), likewise; if it cannot be built,
-# the rerank warns and scores with the compiled PyTorch path
-OASISKV_RERANK=kernel python -W error::RuntimeWarning -c \
-  "from oasiskv.kv.block_mass import extension; extension()" \
-  || echo "note: the rerank's block-mass kernel did not build (see above)" >&2
-# The bf16 linear kernel (oasiskv/layers/gemv.py), likewise; if it cannot be built, the
-# linears run with oneDNN (as they do on CPUs without AVX-512 BF16)
-OASISKV_LINEAR=kernel python -W error::RuntimeWarning -c \
-  "from oasiskv.layers.gemv import extension; extension()" \
-  || echo "note: the bf16 linear kernel did not build (see above)" >&2
+# The CPU kernels, compiled once here (about a minute each) into ~/.cache/oasiskv/ext, so that
+# no run or test pays for it. One that cannot be built warns at run time and its caller takes
+# the PyTorch path: attention layers/gqa.py (OASISKV_ATTENTION), the rerank its compiled pass
+# (OASISKV_RERANK), the bf16 linears oneDNN (OASISKV_LINEAR; also on CPUs without AVX-512 BF16)
+build_kernel() {  # ENV module what
+  env "$1=kernel" python -W error::RuntimeWarning -c "from $2 import extension; extension()" \
+    || echo "note: $3 did not build (see above)" >&2
+}
+build_kernel OASISKV_ATTENTION oasiskv.layers.decode_kernel "the decode-attention kernel"
+build_kernel OASISKV_RERANK oasiskv.kv.block_mass "the rerank's block-mass kernel"
+build_kernel OASISKV_LINEAR oasiskv.layers.gemv "the bf16 linear kernel"
 # llama.cpp, the CPU peer of `bench throughput --peer llamacpp`: pip compiles it (about 4-6
 # minutes on 2 cores; only the library, not its tools), without AMX, and again whenever the
 # installed build is not the one the script records (an older build may crash on AMX CPUs)
