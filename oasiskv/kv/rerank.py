@@ -146,12 +146,12 @@ def rerank_layers(scores: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, c:
 def warm_up_rerank(keys: torch.Tensor, num_heads: int) -> None:
     """Compiles `candidate_mass` for the shapes selections pass (one layer or a run, one
     request or several), or builds the CPU codes' kernel, so that no request's step waits for
-    it. keys: a pool of the kind
-    the rerank reads (codes [layers, ids, Hkv, d, B or B/2] or float keys [..., B, d]), as in
-    a step taken in inference mode; a size of 1 is a guard of the compiled code, so both are
-    passed. The candidates are as many as no other size (dynamo gives equal sizes one symbol,
-    and the query group's size is specialized: a count of candidates equal to it would be
-    too, and each request shorter than c*K blocks would compile anew)."""
+    it. keys: a pool of the kind the rerank reads (codes [layers, ids, Hkv, d, B or B/2] or
+    float keys [..., B, d]), as in a step taken in inference mode; a size of 1 is a guard of
+    the compiled code, so both are passed. The candidates are as many as no other size
+    (dynamo gives equal sizes one symbol, and the query group's size is specialized: a count
+    of candidates equal to it would be too, and each request shorter than c*K blocks would
+    compile anew)."""
     L, _, hkv = keys.shape[:3]
     codes = not keys.is_floating_point()
     d = keys.shape[-2] if codes else keys.shape[-1]

@@ -58,14 +58,17 @@ def extension() -> ModuleType | None:
 def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> Packed | None:
     """The weight [N, K] in the kernel's layout, or None where the kernel does not serve it
     (not bf16 on the CPU, or no kernel here)."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or extension() is None:
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    ext = extension()
+    if ext is None:
         return None
     n, k = weight.shape
     nb, kp = -(-n // BLOCK), k + k % 2
     w = F.pad(weight.detach(), (0, kp - k, 0, nb * BLOCK - n))  # [Nb*16, Kp], zeros past
     w = w.view(nb, BLOCK, kp // 2, 2).transpose(1, 2).contiguous()  # [Nb, Kp/2, 16, 2]
     b = None if bias is None else F.pad(bias.detach().float(), (0, nb * BLOCK - n))
-    return Packed(w, b, n, k, extension())
+    return Packed(w, b, n, k, ext)
 
 
 def serves(packed: Packed | None, x: torch.Tensor) -> bool:
