@@ -156,9 +156,10 @@ class CacheConfig:
     rerank: float = _field(
         2.0, "sparse: 0 (off) or c >= 1: the best c*top_k blocks by summary score are re-ranked "
         "by the predicting query's attention over their keys (rerank_source: the device's key "
-        "copy or the host tier; c*top_k*block_size keys per KV head, layer and step). The "
+        "copy or the host tier; c*top_k*block_size keys per KV head, layer and step); inf: "
+        "every complete block, no summary bound (the copy read in order). The "
         "default: the Quest bound alone loses needles and perplexity at K=128 (docs/results); "
-        "predictor=oracle, which ranks by attention already, ignores it")
+        "predictor=oracle, which ranks by attention already, ignores it", inf=True)
     rerank_source: str = _field(
         "int8", "sparse, with rerank: where the re-ranking reads its candidates' keys. host: "
         "the host tier (exact); int8 / int4: a device copy of every complete block's post-RoPE "

@@ -45,9 +45,10 @@ _WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "
 
 def check_field_types(obj: Any) -> None:
     """Raises FieldTypeError naming the first field of dataclass `obj` whose value does not fit
-    its annotation, and ValueError for a NaN or infinite float. Fields whose metadata has
-    `path=True` also take an `os.PathLike` (kept as its text). Annotations other than unions
-    of int, float, str, bool and None (nested dataclasses) are not checked here."""
+    its annotation, and ValueError for a NaN or infinite float (+inf passes where the
+    metadata has `inf=True`). Fields whose metadata has `path=True` also take an
+    `os.PathLike` (kept as its text). Annotations other than unions of int, float, str, bool
+    and None (nested dataclasses) are not checked here."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if f.metadata.get("path") and isinstance(value, os.PathLike):
@@ -60,7 +61,8 @@ def check_field_types(obj: Any) -> None:
             want = " or ".join(_WORDS[k] for k in kinds)
             raise FieldTypeError(f"{f.name} must be {want}, got {value!r} "
                                  f"({type(value).__name__})")
-        if isinstance(value, float) and not math.isfinite(value):
+        if (isinstance(value, float) and not math.isfinite(value)
+                and not (f.metadata.get("inf") and value == math.inf)):
             raise ValueError(f"{f.name} must be a finite number, got {value}")
 
 

@@ -5,6 +5,7 @@ on (`test_device`)."""
 from __future__ import annotations
 
 import os
+import re
 import resource
 import warnings
 from pathlib import Path
@@ -109,6 +110,20 @@ def threads(request):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (independently of the kernels' CPUID);
+    skips where /proc/cpuinfo has none."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    found = re.search(r"^flags\s*:(.*)$", text, re.M)
+    if found is None:
+        pytest.skip("no x86 flags in /proc/cpuinfo")
+    return set(found.group(1).split())
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,8 @@ from oasiskv.config_checks import DTYPES, KV_MODES, PREDICTORS, check_cache
     ({"score_aggregation": "softmax-sum", "predictor": "oracle"}, r"predictor=oracle has none"),
     ({"summary_splits": 3}, r"summary_splits must be a power of two from 1 to block_size"),
     ({"rerank": 0.5}, r"rerank must be 0 \(off\) or >= 1"),
+    ({"rerank": float("-inf")}, r"rerank must be 0 \(off\) or >= 1"),
+    ({"rerank": float("nan")}, r"rerank must be 0 \(off\) or >= 1"),
     ({"rerank_source": "fp8"}, r"rerank_source must be one of"),
     ({"rerank_source": "int4", "block_size": 1}, r"block_size must be even, got 1"),
     ({"remote_store": "redis://h:1"}, r"remote_store must be none, inprocess"),
@@ -60,6 +62,13 @@ def test_a_valid_config_passes_and_its_text_values_are_parsed_in_place():
     c.f_hbm = "auto"
     check_cache(c)
     assert c.f_hbm == "auto"
+    c.rerank = float("inf")  # every block re-scored: the one field that takes +inf
+    check_cache(c)
+    assert CacheConfig(rerank=float("inf")).rerank == float("inf")
+    for name in ("rerank", "score_alpha"):  # -inf nowhere, +inf only where a field says
+        for value in (float("-inf"), float("nan")) + ((float("inf"),) if name != "rerank" else ()):
+            with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+                CacheConfig(**{name: value})
 
 
 def test_the_values_fields_take():

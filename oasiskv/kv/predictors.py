@@ -33,10 +33,12 @@ class Predictor:
 
     @classmethod
     def from_config(cls, cfg: CacheConfig) -> Predictor:
-        stages: tuple[BlockScorer, ...] = (QuestBound(),)
-        if cfg.reranks:
-            stages += (Rerank(rerank_candidates(cfg.rerank, cfg.top_k)),)
-        return cls(stages)
+        if not cfg.reranks:
+            return cls((QuestBound(),))
+        c = rerank_candidates(cfg.rerank, cfg.top_k)
+        if c is None:  # every block re-scored: no shortlist to bound
+            return cls((Rerank(None),))
+        return cls((QuestBound(), Rerank(c)))
 
     def query_rows(self, attns: list[SeqAttention]) -> list[list[int]]:
         """Per request, the rows of the step's batch whose queries predict its next blocks

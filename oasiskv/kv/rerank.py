@@ -113,34 +113,40 @@ def rerank_layers(scores: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, c:
                   ids: torch.Tensor, keys: torch.Tensor,
                   key_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Scores [layers, R, Hkv, n] (-inf past a request's blocks) -> each KV head's best c
-    blocks re-scored by their attention mass (`candidate_mass`), -inf elsewhere. q
+    blocks re-scored by their attention mass (`candidate_mass`), -inf elsewhere (c >= n:
+    every block, read in block order; the scores only say which are real). q
     [layers, R, H, d]; scale [layers] the attention scales; ids [R, n] the requests' summary
     ids (where block i of request r lies in keys); keys: float keys [layers, ids, Hkv, B, d],
     or the key copy's codes [layers, ids, Hkv, d, B] (int8; 4-bit pairs: [..., d, B/2])
     with key_scales [layers, ids, Hkv]."""
-    top = torch.topk(scores, min(c, scores.shape[-1]), dim=-1)  # [layers, R, Hkv, c]
-    L, R, hkv, _ = top.indices.shape
+    if c >= scores.shape[-1]:  # every block a candidate: the pool read in order, no top-c
+        values, indices = scores, None
+    else:
+        values, indices = torch.topk(scores, c, dim=-1)  # [layers, R, Hkv, c]
+    L, R, hkv, _ = values.shape
     pool, (layer_stride, id_stride, head_stride) = flat_blocks(keys)
     dev = keys.device
-    chosen = ids.to(dev)[None, :, None, :].expand(L, R, hkv, -1).gather(
-        -1, top.indices.to(dev))  # [layers, R, Hkv, c] summary ids
+    chosen = ids.to(dev)[None, :, None, :].expand(L, R, hkv, -1)  # [layers, R, Hkv, n]
+    if indices is not None:
+        chosen = chosen.gather(-1, indices.to(dev))  # [layers, R, Hkv, c] summary ids
     j = torch.arange(L, device=dev)[:, None, None, None]
     h = torch.arange(hkv, device=dev)[None, None, :, None]
     rows = j * layer_stride + h * head_stride + chosen * id_stride
     qg = q.to(dev).reshape(L, R, hkv, -1, q.shape[-1])  # [layers, R, Hkv, G, d]
-    block_scale = scale.to(dev, torch.float32)[:, None, None, None].expand(top.indices.shape)
+    block_scale = scale.to(dev, torch.float32)[:, None, None, None].expand(values.shape)
     if key_scales is not None:
         block_scale = key_scales[j, chosen, h] * block_scale
     args = (pool, rows, block_scale.contiguous(), qg.float().contiguous(),
-            (top.values > float("-inf")).to(dev))
+            (values > float("-inf")).to(dev))
     if key_scales is None:
         mass = candidate_mass(*args)
     elif (ext := block_mass.serves(pool)) is not None:
         mass = block_mass.candidate_mass_codes(ext, *args)
     else:
         mass = candidate_mass_codes(*args)
-    return torch.full_like(scores, float("-inf")).scatter_(-1, top.indices,
-                                                           mass.to(scores))
+    if indices is None:
+        return mass.to(scores)  # in block order already, -inf where not real
+    return torch.full_like(scores, float("-inf")).scatter_(-1, indices, mass.to(scores))
 
 
 def warm_up_rerank(keys: torch.Tensor, num_heads: int) -> None:

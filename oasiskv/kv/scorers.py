@@ -7,6 +7,7 @@ past a request's blocks; the predictor (`kv/predictors.py`) chains them and take
   aggregation: CacheConfig.score_aggregation), over summary_splits rows a block;
 - `Rerank`: each KV head's best c = rerank*K blocks by the previous stage, re-scored by the
   predicting query's attention over their keys (host tier, or the device's int8/int4 copy);
+  rerank=inf: every block, as the first stage (no summary bound);
 - `AttentionMass` (oracle): every block's share of the step's true attention.
 """
 
@@ -103,11 +104,17 @@ class Rerank(BlockScorer):
     attention over their keys in the host tier (one node: a summary id is a host block) or the
     device's int8/int4 copy, all the job's layers at once."""
 
-    def __init__(self, candidates: int) -> None:
-        self.candidates = candidates  # c = ceil(rerank * K) per KV head
+    def __init__(self, candidates: int | None) -> None:
+        self.candidates = candidates  # c = ceil(rerank * K) per KV head; None: every block
 
     def score(self, job: SelectJob, scores: torch.Tensor | None) -> torch.Tensor:
-        kv, B, c = job.kv, job.kv.cfg.block_size, self.candidates
+        kv, B, n = job.kv, job.kv.cfg.block_size, job.ids.shape[1]
+        c = n if self.candidates is None else self.candidates
+        if scores is None:  # the first stage: each request's complete blocks, no shortlist
+            past = torch.arange(n, device=job.ids.device) >= job.lengths[:, None]  # [R, n]
+            hkv = kv.kmin.shape[2]
+            scores = torch.zeros(len(job.layers), len(job.picks), hkv, n, device=job.ids.device)
+            scores.masked_fill_(past[:, None, :], float("-inf"))
         queries = torch.stack([q for _, q in job.picks], 1)  # [layers, R, H, d]
         scales = job.scales  # [layers]
         if kv.key_codes is not None:  # [layers, summary ids, Hkv, d, B], scales [.., Hkv]
@@ -137,9 +144,10 @@ class AttentionMass(BlockScorer):
         return out
 
 
-def rerank_candidates(rerank: float, top_k: int) -> int:
-    """Candidates per KV head of a rerank of `rerank` (CacheConfig.rerank) times K."""
-    return math.ceil(rerank * top_k)
+def rerank_candidates(rerank: float, top_k: int) -> int | None:
+    """Candidates per KV head of a rerank of `rerank` (CacheConfig.rerank) times K; None for
+    rerank=inf (every block)."""
+    return None if math.isinf(rerank) else math.ceil(rerank * top_k)
 
 
 def warm_up_scores(kmin: torch.Tensor, aggregation: str = "sum", group: int = 1,

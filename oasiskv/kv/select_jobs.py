@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from oasiskv.kv.row_copy import copy_rows
 from oasiskv.kv.select import select_capped_lru_batch
 from oasiskv.kv.transfers import upload
 
@@ -194,7 +195,7 @@ class SelectJob:
         admitted = self.admitted.repeat(2)  # [2A]
         if compacts(dev):
             keep = admitted.nonzero().squeeze(1)
-            device.index_copy_(0, dst[keep], host.index_select(0, src[keep]))
+            copy_rows(device, dst[keep], host, src[keep])
         else:
             rows = torch.where(admitted[:, None], host.index_select(0, src),
                                device.index_select(0, dst))

@@ -4,12 +4,15 @@ query head one softmax over every real candidate's tokens, summed over each bloc
 the heads. Random codes and queries (no ties) on each instruction set this CPU runs; leading
 shapes of one to three dims, counts of candidates that divide nothing, candidates that are not
 real (a whole group of them too), G of 1, 3, 7 and 9, d of 64 and odd ones, B of 16 (one
-AVX-512 vector), 8, 32 and 6 (scalar), int8 codes and 4-bit pairs."""
+AVX-512 vector), 8, 32 and 6 (scalar), int8 codes and 4-bit pairs. The avx512vnni tier
+multiplies q rounded to int16 per head: against the brute force of that q (`int16_rounded`),
+and within 1 % of q's own."""
 
 import warnings
 
 import pytest
 import torch
+from vnni_tier import int16_rounded, vnni_runs
 
 from oasiskv.kv import block_mass
 from oasiskv.kv.rerank import _matmul_mass_codes, candidate_mass_codes, rerank_layers
@@ -88,7 +91,13 @@ def test_the_kernel_matches_the_brute_force_on_each_instruction_set(ext, shape, 
     want = brute_force(*inputs)
     for isa in ext.isas():
         monkeypatch.setattr(block_mass, "ISA", isa)
-        check(block_mass.candidate_mass_codes(ext, *inputs), want)
+        got = block_mass.candidate_mass_codes(ext, *inputs)
+        if vnni_runs(isa, codes, q.shape[-1]):
+            # the same function of q rounded to int16 per head; within 1 % of q's own
+            check(got, brute_force(codes, rows, block_scale, int16_rounded(q), real))
+            torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-4)
+        else:
+            check(got, want)
     # the eager reference agrees (its form of the same function)
     check(_matmul_mass_codes(*inputs), want)
 
@@ -105,7 +114,18 @@ def test_groups_without_a_real_candidate_are_all_minus_inf_on_any_threads(ext, t
     finally:
         torch.set_num_threads(before)
     assert (got[1, 2] == float("-inf")).all() and (got[3] == float("-inf")).all()
+    if vnni_runs(ext.isas()[0], codes, q.shape[-1]):
+        q = int16_rounded(q)
     check(got, brute_force(codes, rows, block_scale, q, real))
+
+
+def test_the_instruction_sets_follow_the_cpu_flags(ext, cpu_flags):
+    """avx512vnni is listed (first, as the best) exactly where the CPU has AVX-512 VNNI."""
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= cpu_flags
+    want = (["avx512vnni"] if avx512 and "avx512_vnni" in cpu_flags else []) + (
+        ["avx512"] if avx512 else []) + (["avx2"] if {"avx2", "fma"} <= cpu_flags else []) + [
+        "base"]
+    assert ext.isas() == want
 
 
 def test_a_row_outside_the_pool_or_a_missing_instruction_set_is_an_error(ext, monkeypatch):
@@ -132,14 +152,17 @@ def rerank_case(bits):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_rerank_layers_through_the_kernel_equals_the_compiled_path(bits, monkeypatch):
+def test_rerank_layers_through_the_kernel_equals_the_compiled_path(ext, bits, monkeypatch):
     args = rerank_case(bits)
     with torch.inference_mode():
         got = rerank_layers(*args)
         monkeypatch.setenv(block_mass.ENV, "compiled")
         want = rerank_layers(*args)
     assert torch.equal(got == float("-inf"), want == float("-inf"))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # the avx512vnni tier: q rounded to int16 (test_the_kernel_matches_the_brute_force...)
+    vnni = vnni_runs(ext.isas()[0], args[5], args[1].shape[-1])
+    torch.testing.assert_close(got, want, rtol=1e-2 if vnni else 1e-5,
+                               atol=1e-4 if vnni else 1e-7)
     # the blocks a selection keeps (K = 4)
     assert torch.equal(got.topk(4).indices.sort().values, want.topk(4).indices.sort().values)
 

@@ -61,6 +61,12 @@ def test_exact_with_rerank():
     assert stages(p) == [(QuestBound, None), (Rerank, 5)]
 
 
+def test_rerank_of_every_block_needs_no_first_stage():
+    """rerank=inf: every block re-scored, so no summary bound shortlists them."""
+    p = make_predictor(CacheConfig(kv_mode="sparse", top_k=3, rerank=float("inf")))
+    assert stages(p) == [(Rerank, None)]
+
+
 def test_oracle_ranks_by_attention_mass_alone():
     """No summaries to bound, nothing to rerank (its rerank setting is ignored)."""
     p = make_predictor(CacheConfig(kv_mode="sparse", predictor="oracle", rerank=2))

@@ -164,6 +164,7 @@ def generate(llm, prompts, params):
     {"score_aggregation": "softmax-max", "prefetch": "async"},
     {"rerank": 2, "rerank_source": "int8"},
     {"rerank": 2, "rerank_source": "int4", "prefetch": "async"},
+    {"rerank": float("inf"), "rerank_source": "int8"},
     {"summary_splits": 2},
     {"summary_splits": 2, "score_aggregation": "softmax-sum", "prefetch": "async"},
     {"summary_splits": 4, "predictor": "exact"},

@@ -6,7 +6,6 @@ attention over expanded K/V: dense (one run, runs out of order), sparse masks, d
 (log-sum-exp merge), each with every instruction set this CPU runs (avx512bf16: the bf16 scores
 by vdpbf16ps); and the fallback to `layers/gqa.py` when the kernel cannot be built."""
 
-import re
 import warnings
 from collections.abc import Callable
 
@@ -257,21 +256,9 @@ def test_each_instruction_set_equals_brute_force(ext, isa, dtype, d, group, draf
         close_to_truth(got[row], truth, dtype)
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux reports them (independently of the kernel's CPUID)."""
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        pytest.skip("no /proc/cpuinfo")
-    found = re.search(r"^flags\s*:(.*)$", text, re.M)
-    if found is None:
-        pytest.skip("no x86 flags in /proc/cpuinfo")
-    return set(found.group(1).split())
-
-
-def test_the_instruction_sets_follow_the_cpu_flags(ext):
+def test_the_instruction_sets_follow_the_cpu_flags(ext, cpu_flags):
     """avx512bf16 is listed (first, as the best) exactly where the CPU has AVX-512 BF16."""
-    flags = cpu_flags()
+    flags = cpu_flags
     avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags
     want = (["avx512bf16"] if avx512 and "avx512_bf16" in flags else []) + (
         ["avx512"] if avx512 else []) + (["avx2"] if {"avx2", "fma"} <= flags else []) + ["base"]

@@ -17,7 +17,9 @@
 // real candidates' codes are read, each block once, the next ones prefetched. Groups are
 // shared by the threads (at::parallel_for). Compiled for AVX-512 (W 16), AVX2+FMA (W 8) and
 // the baseline (W 4), chosen at run time by CPUID; a narrower W where B is not a multiple of
-// the widest, a scalar loop where B is not a multiple of 4. Built by kv/block_mass.py.
+// the widest, a scalar loop where B is not a multiple of 4. With AVX-512 VNNI, int8 blocks of
+// 16 tokens take integer products instead (the avx512vnni tier, below). Built by
+// kv/block_mass.py.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -235,6 +237,87 @@ OASIS_INLINE void block_logits_scalar(const uint8_t* blk, const float* q, const 
     }
 }
 
+// ---- the avx512vnni tier (int8 codes, B = 16, d even). Each query head as int16: its
+// largest |element| scaled to QMAX (so the error of an element is at most 2^-15 of that),
+// a block's logits by vpdpwssd: per pair of dims, one vector of the 16 tokens' two codes
+// (widened to int16 and interleaved) times the head's two elements, summed exactly in int32,
+// then scaled back once in fp32. Half the vector operations of the fp32 loops, which widen
+// every code to fp32 and spend a multiply-add per dim and head.
+
+constexpr int64_t VB = 16;  // a block's tokens: one vector of int32 sums
+constexpr float QMAX = 16384.0f;
+
+// q [G, d] -> pairs [G, d/2] (the int16 of dims 2i and 2i + 1 in one int32) and inv [G] (the
+// factor back to q's scale); the scale keeps |sum| <= d * 128 * QMAX below 2^31
+OASIS_INLINE void int16_pairs(const float* q, int64_t G, int64_t d, int32_t* pairs, float* inv) {
+  const float top = std::min(QMAX, float(INT32_MAX / (d * 128)));
+  for (int64_t g = 0; g < G; ++g) {
+    float m = 0.0f;
+    for (int64_t r = 0; r < d; ++r) m = std::max(m, std::fabs(q[g * d + r]));
+    const float s = m > 0.0f ? top / m : 0.0f;
+    inv[g] = m > 0.0f ? m / top : 0.0f;
+    for (int64_t i = 0; i < d / 2; ++i) {
+      const auto lo = uint16_t(int16_t(std::nearbyint(q[g * d + 2 * i] * s)));
+      const auto hi = uint16_t(int16_t(std::nearbyint(q[g * d + 2 * i + 1] * s)));
+      pairs[g * (d / 2) + i] = int32_t(uint32_t(lo) | (uint32_t(hi) << 16));
+    }
+  }
+}
+
+#ifdef OASIS_X86
+// Dims 2i, 2i + 1 of a block (32 bytes: two rows of 16 tokens) as int16, interleaved: lane 2t
+// <- token t of the first dim (lane t), lane 2t + 1 <- of the second (lane 16 + t)
+__attribute__((target(OASIS_VNNI_TARGET))) inline __m512i two_dims(const uint8_t* blk,
+                                                                    int64_t i) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                       16, 0);
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2 * i * VB));
+  return _mm512_permutexvar_epi16(idx, _mm512_cvtepi8_epi16(x));
+}
+
+// Logits of GC query heads (pairs [GC, d/2], inv [GC]) for one block's 16 tokens, times sc
+template <int GC>
+__attribute__((target(OASIS_VNNI_TARGET))) inline void vnni_head_logits(
+    const uint8_t* blk, const int32_t* pairs, const float* inv, float sc, int64_t d, float* out) {
+  const int64_t half = d / 2;
+  __m512i a0[GC], a1[GC];  // two sets: independent chains
+  for (int g = 0; g < GC; ++g) a0[g] = a1[g] = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 2 <= half; i += 2) {
+    const __m512i x0 = two_dims(blk, i), x1 = two_dims(blk, i + 1);
+    for (int g = 0; g < GC; ++g) {
+      a0[g] = _mm512_dpwssd_epi32(a0[g], x0, _mm512_set1_epi32(pairs[g * half + i]));
+      a1[g] = _mm512_dpwssd_epi32(a1[g], x1, _mm512_set1_epi32(pairs[g * half + i + 1]));
+    }
+  }
+  if (i < half) {
+    const __m512i x0 = two_dims(blk, i);
+    for (int g = 0; g < GC; ++g)
+      a0[g] = _mm512_dpwssd_epi32(a0[g], x0, _mm512_set1_epi32(pairs[g * half + i]));
+  }
+  for (int g = 0; g < GC; ++g)
+    _mm512_storeu_ps(out + g * VB,
+                     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0[g], a1[g])),
+                                   _mm512_set1_ps(sc * inv[g])));
+}
+
+__attribute__((target(OASIS_VNNI_TARGET))) inline void vnni_block_logits(
+    const uint8_t* blk, const int32_t* pairs, const float* inv, float sc, const Args& a,
+    float* lg) {
+  const int64_t half = a.d / 2;
+  for (int64_t g0 = 0; g0 < a.G; g0 += GC_MAX) {
+    const int64_t gc = std::min<int64_t>(GC_MAX, a.G - g0);
+    const int32_t* p = pairs + g0 * half;
+    float* o = lg + g0 * VB;
+    if (gc == 4) vnni_head_logits<4>(blk, p, inv + g0, sc, a.d, o);
+    else if (gc == 3) vnni_head_logits<3>(blk, p, inv + g0, sc, a.d, o);
+    else if (gc == 2) vnni_head_logits<2>(blk, p, inv + g0, sc, a.d, o);
+    else vnni_head_logits<1>(blk, p, inv + g0, sc, a.d, o);
+  }
+}
+#endif
+
 OASIS_INLINE void prefetch_block(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
 }
@@ -244,19 +327,23 @@ OASIS_INLINE void prefetch_block(const uint8_t* p, int64_t bytes) {
 // them, each block's s = sum_b exp(logit - M) (W blocks' sums at once), its share s / sum s
 // added to the block's mass. (Per block a max, an exp and two sums would be a chain of ~100
 // dependent operations a block and head: half the time, measured.) W 0: the scalar loops.
-template <int W, bool NIB>
+// VNNI: pass 1 by the avx512vnni tier's integer products (W 16, int8, B 16, d even).
+template <int W, bool NIB, bool VNNI = false>
 OASIS_INLINE void run_groups(const Args& a, int64_t lo, int64_t hi) {
   const int64_t c = a.c, G = a.G, B = a.B, d = a.d, block = d * a.row_bytes;
   const int64_t cw = W ? (c + W - 1) / W * W : c;  // c padded to whole vectors
-  std::vector<float> buf(c * G * B + 2 * cw);
+  std::vector<float> buf(c * G * B + 2 * cw + G);
   float* lg = buf.data();     // [c, G, B] the real candidates' logits, scaled
   float* sum = lg + c * G * B;  // [cw] each block's s for one head
   float* mass = sum + cw;       // [cw]
+  float* qinv = mass + cw;      // [G] VNNI: each head's factor back from int16
+  std::vector<int32_t> qpairs(VNNI ? G * (d / 2) : 0);  // [G, d/2] VNNI: q as int16 pairs
   for (int64_t n = lo; n < hi; ++n) {
     const int64_t* rows = a.rows + n * c;
     const float* scale = a.scale + n * c;
     const bool* real = a.real + n * c;
     const float* q = a.q + n * G * d;
+    if constexpr (VNNI) int16_pairs(q, G, d, qpairs.data(), qinv);
     int64_t next = 0;  // the next candidate not yet prefetched
     bool any = false;
     for (int64_t i = 0; i < c; ++i) {
@@ -270,6 +357,10 @@ OASIS_INLINE void run_groups(const Args& a, int64_t lo, int64_t hi) {
       if constexpr (W == 0) {
         block_logits_scalar(blk, q, a, l);
         for (int64_t k = 0; k < G * B; ++k) l[k] *= sc;
+#ifdef OASIS_X86
+      } else if constexpr (VNNI) {
+        vnni_block_logits(blk, qpairs.data(), qinv, sc, a, l);
+#endif
       } else {
         block_logits<W, NIB>(blk, q, sc, a, l);
       }
@@ -348,14 +439,21 @@ using GroupsFn = void (*)(const Args&, int64_t, int64_t);
 #ifdef OASIS_X86
 OASIS_KERNELS(avx512, OASIS_AVX512, 16)
 OASIS_KERNELS(avx2, OASIS_AVX2, 8)
+
+__attribute__((target(OASIS_VNNI_TARGET))) void vnni_groups(const Args& a, int64_t lo,
+                                                             int64_t hi) {
+  run_groups<16, false, true>(a, lo, hi);
+}
 #endif
 OASIS_KERNELS(base, , 4)
 
 
-std::vector<std::string> isas() { return cpu_isas(false); }
+std::vector<std::string> isas() { return cpu_isas(false, true); }
 
-GroupsFn pick(const std::string& isa, int64_t B, bool nib) {
+GroupsFn pick(const std::string& isa, int64_t B, int64_t d, bool nib) {
 #ifdef OASIS_X86
+  if (isa == "avx512vnni")  // its shapes (SmolLM2's: B 16, d 64); others the avx512 loops
+    return !nib && B == VB && d % 2 == 0 ? vnni_groups : avx512_pick(B, nib);
   if (isa == "avx512") return avx512_pick(B, nib);
   if (isa == "avx2") return avx2_pick(B, nib);
 #endif
@@ -399,7 +497,7 @@ at::Tensor block_mass(const at::Tensor& codes, const at::Tensor& rows,
   const std::string chosen = isa.empty() ? names.front() : isa;
   TORCH_CHECK(std::find(names.begin(), names.end(), chosen) != names.end(),
               "instruction set ", chosen, " is not available on this CPU");
-  const GroupsFn fn = pick(chosen, B, nib);
+  const GroupsFn fn = pick(chosen, B, d, nib);
   at::Tensor out = at::empty({N, c}, q.options());
   if (N == 0 || c == 0) return out;
   a.out = out.data_ptr<float>();

@@ -28,6 +28,8 @@
 #define OASIS_AVX2 __attribute__((target("avx2,fma")))
 // AVX-512 with its BF16 dot products (vdpbf16ps), for the avx512bf16 tiers
 #define OASIS_BF16_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,avx512bf16"
+// AVX-512 with its integer dot products (vpdpwssd), for the avx512vnni tiers
+#define OASIS_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,avx512vnni"
 
 namespace {
 
@@ -139,15 +141,17 @@ OASIS_INLINE typename Vec<W>::f hsums(const typename Vec<W>::f* v) {
   }
 }
 
-// The instruction sets this CPU runs, best first: avx512bf16 (AVX-512 with its BF16 dot
-// products; only where a kernel has such a tier), avx512, avx2 (with FMA), base
-std::vector<std::string> cpu_isas(bool with_bf16) {
+// The instruction sets this CPU runs, best first: avx512vnni and avx512bf16 (AVX-512 with its
+// integer or BF16 dot products; only where a kernel has such a tier), avx512, avx2 (with FMA),
+// base
+std::vector<std::string> cpu_isas(bool with_bf16, bool with_vnni = false) {
   std::vector<std::string> out;
 #ifdef OASIS_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("fma")) {
+    if (with_vnni && __builtin_cpu_supports("avx512vnni")) out.push_back("avx512vnni");
     if (with_bf16 && __builtin_cpu_supports("avx512bf16")) out.push_back("avx512bf16");
     out.push_back("avx512");
   }
