@@ -154,12 +154,14 @@ class CacheConfig:
         "sets stay whole blocks; the summaries' device bytes (and scoring work) grow "
         "summary_splits times")
     rerank: float = _field(
-        2.0, "sparse: 0 (off) or c >= 1: the best c*top_k blocks by summary score are re-ranked "
-        "by the predicting query's attention over their keys (rerank_source: the device's key "
-        "copy or the host tier; c*top_k*block_size keys per KV head, layer and step); inf: "
-        "every complete block, no summary bound (the copy read in order). The "
-        "default: the Quest bound alone loses needles and perplexity at K=128 (docs/results); "
-        "predictor=oracle, which ranks by attention already, ignores it", inf=True)
+        float("inf"), "sparse: 0 (off) or c >= 1: the best c*top_k blocks by summary score are "
+        "re-ranked by the predicting query's attention over their keys (rerank_source: the "
+        "device's key copy or the host tier; c*top_k*block_size keys per KV head, layer and "
+        "step); inf (the default): every complete block ranked by its attention mass over the "
+        "key copy, no summary bound first (the copy read in order; as fast as c=2 on a 2-core "
+        "CPU and closer to the oracle: docs/results/2026-12-07-rerank-every-block.md). The "
+        "Quest bound alone (0) loses needles and perplexity at K=128; predictor=oracle, which "
+        "ranks by attention already, ignores it", inf=True)
     rerank_source: str = _field(
         "int8", "sparse, with rerank: where the re-ranking reads its candidates' keys. host: "
         "the host tier (exact); int8 / int4: a device copy of every complete block's post-RoPE "

@@ -2,7 +2,7 @@
 kernel (`kv/block_mass.py`) against the compiled PyTorch function it replaces
 (`kv/rerank.candidate_mass_codes`, inductor), on SmolLM2-135M's shapes.
 
-  python scripts/bench_rerank.py [--context 7168] [--batch 6] [--candidates 256]
+  python scripts/bench_rerank.py [--context 7168] [--batch 6] [--candidates 256] [--in-order]
       [--layers 30] [--bits 8] [--rounds 9] [--threads N] [--isas avx512,avx2] [--json PATH]
 
 A step scores, for each of --layers layers, --batch requests and 3 KV heads, its --candidates
@@ -40,8 +40,14 @@ def step_inputs(args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
              torch.randint(0, top + 1, (*shape, BLOCK // 2), generator=g, dtype=torch.uint8))
     scales = torch.rand(L, R * n, KV_HEADS, generator=g) / 32
     pool, (ls, ids_s, hs) = flat_blocks(codes)
-    ids = torch.randperm(R * n, generator=g).view(R, n)  # a request's blocks, scattered
-    chosen = torch.stack([ids[r, torch.randperm(n, generator=g)[:c]] for r in range(R)])
+    if args.in_order:  # rerank=inf: every block, the requests side by side (take_run)
+        if c > n:
+            raise SystemExit(f"--in-order: --candidates {c} is more than the {n} blocks")
+        ids = torch.arange(R * n).view(R, n)
+        chosen = ids[:, :c]
+    else:
+        ids = torch.randperm(R * n, generator=g).view(R, n)  # a request's blocks, scattered
+        chosen = torch.stack([ids[r, torch.randperm(n, generator=g)[:c]] for r in range(R)])
     chosen = chosen[None, :, None, :].expand(L, R, KV_HEADS, c)  # [L, R, Hkv, c] summary ids
     j = torch.arange(L)[:, None, None, None]
     h = torch.arange(KV_HEADS)[None, None, :, None]
@@ -57,6 +63,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=7168)
     ap.add_argument("--batch", type=int, default=6)
     ap.add_argument("--candidates", type=int, default=256, help="c per KV head (2K at K=128)")
+    ap.add_argument("--in-order", action="store_true",
+                    help="the first c blocks of each request in block order, requests side by "
+                         "side (rerank=inf: --candidates 448 at 7K)")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--bits", type=int, default=8, choices=(8, 4))
     ap.add_argument("--rounds", type=int, default=9)
