@@ -39,13 +39,13 @@ The predictions made at step t are scored at step t+1 against E_{t+1}:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import ceil
 
 import torch
 
 from oasiskv.context import SeqAttention
 from oasiskv.eval.metrics import block_mass, captured_mass, churn, membership, recall
 from oasiskv.kv.blocks import is_contiguous
+from oasiskv.kv.scorers import rerank_candidates
 from oasiskv.kv.select import block_scores, mixed_queries, rerank_by_mass, top_k_blocks
 from oasiskv.kv.summaries import summarize
 from oasiskv.sequence import Sequence
@@ -210,8 +210,9 @@ class RecallProbe:
             scores = block_scores(query, kmin, kmax, splits=self.splits)
             self.pending[layer][(k, "lookahead", drafter)] = top_k_blocks(scores, k)
             if self.rerank:  # candidates [Hkv, c] -> their keys [Hkv, c*B, d]
+                c = rerank_candidates(self.rerank, k) or n_next  # inf: every block
                 mass = rerank_by_mass(scores, query, lambda c: keys[heads, c].flatten(1, 2),
-                                      self.scales[layer], self.block, ceil(self.rerank * k))
+                                      self.scales[layer], self.block, c)
                 self.pending[layer][(k, reranked(self.rerank), drafter)] = top_k_blocks(mass, k)
 
     def _score(self, layer: int, q: torch.Tensor, exact: dict[int, torch.Tensor],

@@ -48,7 +48,7 @@ class Setting:
                                                        (self.recent_blocks, "recent")) if n)
         cap = "" if self.f_hbm == DEFAULT_F_HBM else f" f_hbm={self.f_hbm}"
         block = "" if self.block_size == DEFAULT_BLOCK_SIZE else f" B={self.block_size}"
-        # named where not the default (rerank=2 from the int8 copy)
+        # named where not the default (rerank=inf from the int8 copy)
         source = "" if self.rerank_source == DEFAULT_RERANK_SOURCE else f" {self.rerank_source}"
         rerank = ("" if (self.rerank, source) == (DEFAULT_RERANK, "") or self.predictor == "oracle"
                   else f" rerank={self.rerank:g}{source if self.rerank else ''}")

@@ -74,21 +74,23 @@ def test_oracle_sets_hold_the_most_attention_mass(llm):
         assert 0 < oracle["recall"] <= 1
 
 
-def test_rerank_over_every_block_with_the_true_query_is_the_oracle(llm):
+@pytest.mark.parametrize("rerank", [8, float("inf")])
+def test_rerank_over_every_block_with_the_true_query_is_the_oracle(llm, rerank):
     """draft-context dense + oracle drafter: the draft query is the next query; re-ranked
-    over every block (rerank*K >= blocks), the sets are the true top-K by its attention mass,
-    the oracle row's, computed there by another path."""
+    over every block (rerank*K >= blocks, or inf), the sets are the true top-K by its
+    attention mass, the oracle row's, computed there by another path."""
     spec = RecallSpec([2, 4], ["lookahead"], ["oracle"], steps=4, draft_context="dense",
-                      rerank=8)
+                      rerank=rerank)
     rows = run_recall(llm, [{"ids": prompt_ids()}], spec, progress=False)["rows"]
+    name = f"lookahead rerank={rerank:g}"
     for k in (2, 4):
         by = {r["predictor"]: r for r in rows if r["top_k"] == k}
-        assert by["lookahead rerank=8"]["per_layer_mass"] == pytest.approx(
-            by["oracle"]["per_layer_mass"], abs=1e-6)
-        assert by["lookahead rerank=8"]["recall"] == pytest.approx(by["oracle"]["recall"])
-        assert by["lookahead rerank=8"]["draft_accuracy"] == 1.0
+        assert by[name]["per_layer_mass"] == pytest.approx(by["oracle"]["per_layer_mass"],
+                                                           abs=1e-6)
+        assert by[name]["recall"] == pytest.approx(by["oracle"]["recall"])
+        assert by[name]["draft_accuracy"] == 1.0
         assert by["lookahead"]["recall"] == 1.0  # the Quest top-K of the next query
-        assert by["lookahead"]["mass"] < by["lookahead rerank=8"]["mass"]  # can fail
+        assert by["lookahead"]["mass"] < by[name]["mass"]  # can fail
     with pytest.raises(ValueError, match="rerank must be 0"):
         RecallSpec([2], ["lookahead"], ["oracle"], rerank=0.5)
 

@@ -19,7 +19,7 @@ def test_pinned_block_settings_are_their_own_columns():
         "sparse K=32 exact +4 sink +2 recent"]
     assert settings[-1].engine_kwargs() == {"kv_mode": "sparse", "predictor": "exact",
                                             "top_k": 32, "sink_blocks": 4, "recent_blocks": 2,
-                                            "f_hbm": 0.05, "block_size": 16, "rerank": 2.0,
+                                            "f_hbm": 0.05, "block_size": 16, "rerank": float("inf"),
                                             "forced_drafts": "known",
                                             "summary_dtype": "auto",
                                             "score_aggregation": "sum",
@@ -27,14 +27,14 @@ def test_pinned_block_settings_are_their_own_columns():
 
 
 def test_scoring_options_are_their_own_columns():
-    settings = settings_from(["sparse"], ["lookahead"], [128], reranks=[0.0, 2.0],
+    settings = settings_from(["sparse"], ["lookahead"], [128], reranks=[0.0, float("inf")],
                              aggregations=["sum", "softmax-sum"],
                              rerank_sources=["host", "int8"])
-    # named where not the default (rerank=2 from the int8 copy); rerank=0 reads no keys
+    # named where not the default (rerank=inf from the int8 copy); rerank=0 reads no keys
     assert [s.name for s in settings] == [
-        "sparse K=128 lookahead rerank=0", "sparse K=128 lookahead rerank=2 host",
+        "sparse K=128 lookahead rerank=0", "sparse K=128 lookahead rerank=inf host",
         "sparse K=128 lookahead", "sparse K=128 lookahead softmax-sum rerank=0",
-        "sparse K=128 lookahead softmax-sum rerank=2 host",
+        "sparse K=128 lookahead softmax-sum rerank=inf host",
         "sparse K=128 lookahead softmax-sum"]
     assert [(s.engine_kwargs()["score_aggregation"], s.engine_kwargs()["rerank_source"])
             for s in settings[3:]] == [("softmax-sum", "host"), ("softmax-sum", "host"),
@@ -46,19 +46,19 @@ def test_scoring_options_are_their_own_columns():
                                         "sparse K=128 lookahead dense_layers=2",
                                         "sparse K=128 lookahead dense_layers=2 summary_splits=2"]
     assert [s.engine_kwargs().get("dense_layers", 0) for s in layers[1:]] == [0, 0, 2, 2]
-    only_int8 = settings_from(["sparse"], ["lookahead"], [128], reranks=[0.0, 2.0],
+    only_int8 = settings_from(["sparse"], ["lookahead"], [128], reranks=[0.0, float("inf")],
                               rerank_sources=["int8"])
     assert [s.name for s in only_int8] == ["sparse K=128 lookahead rerank=0",
                                            "sparse K=128 lookahead"]
     int4 = settings_from(["sparse"], ["lookahead"], [128], rerank_sources=["int4"])
-    assert [s.name for s in int4] == ["sparse K=128 lookahead rerank=2 int4"]
+    assert [s.name for s in int4] == ["sparse K=128 lookahead rerank=inf int4"]
 
 
 def test_rerank_settings_are_their_own_columns():
-    settings = settings_from(["sparse"], ["lookahead"], [128], reranks=[0.0, 2.0])
+    settings = settings_from(["sparse"], ["lookahead"], [128], reranks=[0.0, float("inf")])
     assert [s.name for s in settings] == ["sparse K=128 lookahead rerank=0",
                                           "sparse K=128 lookahead"]
-    assert [s.engine_kwargs()["rerank"] for s in settings] == [0.0, 2.0]
+    assert [s.engine_kwargs()["rerank"] for s in settings] == [0.0, float("inf")]
 
 
 def test_summary_dtypes_are_their_own_columns():

@@ -33,8 +33,9 @@ def run(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[
 @pytest.mark.parametrize("predictor", ["lookahead", "exact"])
 def test_side_by_side_batch_equals_requests_placed_apart(tiny_llama, monkeypatch, predictor):
     top_k = 3
+    # rerank=2: the Quest bound shortlists (rerank=inf, the default, scores no summaries)
     kw = dict(kv_mode="sparse", top_k=top_k, f_hbm=0.34, prefetch="sync", predictor=predictor,
-              max_num_seqs=4, max_num_batched_tokens=512)
+              max_num_seqs=4, max_num_batched_tokens=512, rerank=2)
     prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(100)] for i in range(4)]
     strides = []
     stride_of = QuestBound.stride
