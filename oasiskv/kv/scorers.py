@@ -112,7 +112,7 @@ class Rerank(BlockScorer):
         c = n if self.candidates is None else self.candidates
         if scores is None:  # the first stage: each request's complete blocks, no shortlist
             past = torch.arange(n, device=job.ids.device) >= job.lengths[:, None]  # [R, n]
-            hkv = kv.kmin.shape[2]
+            hkv = kv.host_view.shape[2]
             scores = torch.zeros(len(job.layers), len(job.picks), hkv, n, device=job.ids.device)
             scores.masked_fill_(past[:, None, :], float("-inf"))
         queries = torch.stack([q for _, q in job.picks], 1)  # [layers, R, H, d]

@@ -29,9 +29,9 @@ def case(dtype: torch.dtype, seed: int):
     return host_kv, ids, q, scores, scales
 
 
-def reference(host_kv, ids, q, scores, scales, bits):
-    """rerank_by_mass per layer, keys indexed per (request, head, candidate): the host keys
-    (bits 0) or the key copy of 8 or 4 bits, dequantized."""
+def reference(host_kv, ids, q, scores, scales, bits, c=C):
+    """rerank_by_mass per layer over c candidates, keys indexed per (request, head,
+    candidate): the host keys (bits 0) or the key copy of 8 or 4 bits, dequantized."""
     keys = host_kv[:, 0].unflatten(2, (-1, B))  # [L, Hkv, ids, B, d]
     codes, kscales = quantize_keys(keys, bits or 8)  # [L, ids, Hkv, d, B], [L, ids, Hkv]
     out = []
@@ -43,7 +43,7 @@ def reference(host_kv, ids, q, scores, scales, bits):
                 return dequantize_keys(codes[j, blocks, heads],
                                        kscales[j, blocks, heads]).flatten(2, 3)
             return keys[j, heads, blocks].float().flatten(2, 3)  # fp32 products, as ours
-        out.append(rerank_by_mass(scores[j], q[j], keys_of, float(scales[j]), B, C))
+        out.append(rerank_by_mass(scores[j], q[j], keys_of, float(scales[j]), B, c))
     return torch.stack(out), codes, kscales
 
 
@@ -89,19 +89,8 @@ def test_candidates_past_the_blocks_score_every_real_block(bits, path, c, monkey
     monkeypatch.setenv(block_mass.ENV, path)
     host_kv, ids, q, scores, scales = case(torch.float32, 0)
     flat = torch.zeros_like(scores).masked_fill_(scores == float("-inf"), float("-inf"))
+    want, codes, kscales = reference(host_kv, ids, q, scores, scales, bits, c=N)
     keys = host_kv[:, 0].unflatten(2, (-1, B))  # [L, Hkv, ids, B, d]
-    codes, kscales = quantize_keys(keys, bits or 8)
-    want = []
-    for j in range(L):
-        def keys_of(cand, j=j):  # [R, Hkv, n] -> [R, Hkv, n*B, d]
-            blocks = ids.gather(1, cand.flatten(1)).view(cand.shape)
-            heads = torch.arange(HKV)[None, :, None]
-            if bits:
-                return dequantize_keys(codes[j, blocks, heads],
-                                       kscales[j, blocks, heads]).flatten(2, 3)
-            return keys[j, heads, blocks].float().flatten(2, 3)
-        want.append(rerank_by_mass(scores[j], q[j], keys_of, float(scales[j]), B, N))
-    want = torch.stack(want)
     with torch.inference_mode():
         if bits:
             got = rerank_layers(flat, q, scales, c, ids, codes, kscales)

@@ -74,13 +74,15 @@ def test_attention_mass_by_hand():
     torch.testing.assert_close(got, torch.tensor([[[[1 / 3, 2 / 3]]]]))
 
 
-@pytest.mark.parametrize("candidates, want", [(1, [1.0, -INF]), (2, [1 / 3, 2 / 3])])
+@pytest.mark.parametrize("candidates, want", [(1, [1.0, -INF]), (2, [1 / 3, 2 / 3]),
+                                               (None, [1 / 3, 2 / 3])])
 def test_rerank_by_hand(candidates, want):
     """The previous stage ranks block 0 first (5 > 1). One candidate: block 0 takes all of
-    the mass among the candidates; both: the attention masses above."""
+    the mass among the candidates; both, or every block (None: rerank=inf, the first stage,
+    no previous scores): the attention masses above."""
     kv = SimpleNamespace(host_view=host_kv(), scales=[1.0], key_codes=None,
                          cfg=SimpleNamespace(block_size=2))
-    prior = torch.tensor([[[[5.0, 1.0]]]])
+    prior = None if candidates is None else torch.tensor([[[[5.0, 1.0]]]])
     got = Rerank(candidates).score(job(kv, [(decode([0, 1], 0), torch.ones(1, 1, 1))], [2]),
                                    prior)
     torch.testing.assert_close(got, torch.tensor([[[want]]]))
