@@ -17,6 +17,7 @@ import torch
 from oasiskv.config import CacheConfig, ModelConfig, parse_bytes
 from oasiskv.engine.runner import ModelRunner, allocate_kv, pins_host_kv
 from oasiskv.engine.stats import device_tensors
+from oasiskv.kv import row_copy
 from oasiskv.kv.blocks import BlockPool, KVAllocator
 from oasiskv.kv.dense_layers import allocate_dense_kv, check_dense_layers, sparse_layers
 from oasiskv.kv.device_budget import (
@@ -156,7 +157,8 @@ def build_remote(owner: object, cache: CacheConfig, mc: ModelConfig, dtype: torc
 
 def warm_up(sparse: SparseKV, cache: CacheConfig, mc: ModelConfig) -> None:
     """Compiles the block scoring, the rerank and the key copy's quantization for these
-    shapes, so that no request waits for a compile."""
+    shapes, and loads the CPU row-copy kernel (a first build takes ~20 s), so that no request
+    waits for a compile."""
     t0 = time.perf_counter()
     warm_up_scores(sparse.kmin, cache.score_aggregation, mc.num_heads // mc.num_kv_heads,
                    cache.summary_splits)
@@ -166,6 +168,8 @@ def warm_up(sparse: SparseKV, cache: CacheConfig, mc: ModelConfig) -> None:
         warm_up_rerank(keys, mc.num_heads)
     if cache.key_copy:
         warm_up_key_copy(sparse.host_view, cache.block_size, cache.key_copy_bits)
+    if sparse.device_kv.device.type == "cpu":  # the local stage's copy: built here, not in a step
+        row_copy.extension()
     log.info("compiled the block scoring in %.1f s", time.perf_counter() - t0)
 
 

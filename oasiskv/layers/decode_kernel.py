@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -93,7 +94,14 @@ def load(source: Path, what: str, instead: str) -> ModuleType | None:
 
         path = build_dir(source)
         path.mkdir(parents=True, exist_ok=True)
-        ext = cpp_extension.load(name=f"oasiskv_{path.name}", sources=[str(source)],
+        # built from a copy in its folder: cpp_extension rebuilds whenever the source's path
+        # changes (another checkout or worktree of the same text: ~20 s inside a step)
+        for f in (source, *source.parent.glob("*.h")):
+            if not (path / f.name).exists():
+                tmp = path / f"{f.name}.{os.getpid()}.tmp"
+                shutil.copyfile(f, tmp)
+                os.replace(tmp, path / f.name)  # whole or absent, for a concurrent build
+        ext = cpp_extension.load(name=f"oasiskv_{path.name}", sources=[str(path / source.name)],
                                  extra_cflags=list(FLAGS), extra_ldflags=list(LDFLAGS),
                                  build_directory=str(path), verbose=False)  # copies: load appends
         ext.isas()  # the module answers

@@ -76,3 +76,31 @@ def test_indexing_with_one_warning_where_the_kernel_cannot_be_built(tmp_path, mo
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once only
         row_copy.copy_rows(dst, dst_rows, src, src_rows)
+
+
+def test_the_same_source_at_another_path_is_not_built_again(tmp_path, monkeypatch):
+    """The build is keyed by the text and built from a copy in its folder: another checkout
+    or worktree of the same source loads the same build (cpp_extension rebuilds whenever a
+    source's path changes: ~20 s, which once landed inside a decode step)."""
+    monkeypatch.setenv("OASISKV_CACHE", str(tmp_path / "cache"))
+    sources = []
+    for where in ("a", "b"):
+        (tmp_path / where).mkdir()
+        for f in (row_copy.SOURCE, *row_copy.SOURCE.parent.glob("*.h")):
+            (tmp_path / where / f.name).write_text(f.read_text())
+        sources.append(tmp_path / where / row_copy.SOURCE.name)
+    monkeypatch.setattr(decode_kernel, "_loaded", {})
+    assert decode_kernel.load(sources[0], "x", "y") is not None
+    built = {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").rglob("*.so")}
+    assert len(built) == 1
+    monkeypatch.setattr(decode_kernel, "_loaded", {})
+    assert decode_kernel.load(sources[1], "x", "y") is not None
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").rglob("*.so")} == built
+
+
+def test_a_sparse_engine_loads_the_kernel_before_its_first_step(tiny_llama, monkeypatch):
+    from oasiskv import LLM
+
+    monkeypatch.setattr(decode_kernel, "_loaded", {})
+    LLM(str(tiny_llama), kv_mode="sparse", top_k=2)
+    assert decode_kernel._loaded.get(row_copy.SOURCE) is not None
