@@ -29,6 +29,7 @@ import hashlib
 import os
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -46,6 +47,7 @@ FLAGS = ["-O3", "-fopenmp", "-std=c++17", "-ffp-contract=fast"]
 LDFLAGS = ["-fopenmp"]
 
 _loaded: dict[Path, ModuleType | None] = {}
+STALE_LOCK_S = 600  # a build lock older than this was left by a killed build
 
 
 DEFAULT = "kernel"  # measured faster than gqa on every decode shape (see the note above)
@@ -94,6 +96,12 @@ def load(source: Path, what: str, instead: str) -> ModuleType | None:
 
         path = build_dir(source)
         path.mkdir(parents=True, exist_ok=True)
+        # a build killed midway leaves cpp_extension's lock behind, and every later load would
+        # wait on it forever; a build takes a minute or two
+        lock = path / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            warnings.warn(f"removing a stale build lock {lock}", RuntimeWarning, stacklevel=3)
+            lock.unlink(missing_ok=True)
         # built from a copy in its folder: cpp_extension rebuilds whenever the source's path
         # changes (another checkout or worktree of the same text: ~20 s inside a step)
         for f in (source, *source.parent.glob("*.h")):

@@ -3,6 +3,8 @@ PyTorch's indexing: bf16 and fp32 pools, source rows repeated, on 1 and 2 thread
 indices and shapes refused by name; the indexing path where the kernel cannot be built, off
 a contiguous pool, and for no rows."""
 
+import os
+import time
 import warnings
 
 import pytest
@@ -104,3 +106,17 @@ def test_a_sparse_engine_loads_the_kernel_before_its_first_step(tiny_llama, monk
     monkeypatch.setattr(decode_kernel, "_loaded", {})
     LLM(str(tiny_llama), kv_mode="sparse", top_k=2)
     assert decode_kernel._loaded.get(row_copy.SOURCE) is not None
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch):
+    """cpp_extension waits forever on a build folder's lock; one older than any build is
+    removed (with a warning) and the kernel builds."""
+    monkeypatch.setenv("OASISKV_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(decode_kernel, "_loaded", {})
+    path = decode_kernel.build_dir(row_copy.SOURCE)
+    path.mkdir(parents=True)
+    (path / "lock").touch()
+    old = time.time() - decode_kernel.STALE_LOCK_S - 60
+    os.utime(path / "lock", (old, old))
+    with pytest.warns(RuntimeWarning, match="stale build lock"):
+        assert row_copy.extension() is not None
