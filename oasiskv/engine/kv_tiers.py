@@ -32,7 +32,7 @@ from oasiskv.kv.prefix_cache import model_fingerprint
 from oasiskv.kv.remote_tier import RemoteTier, open_store
 from oasiskv.kv.rerank import warm_up_rerank
 from oasiskv.kv.residency import SparseKV
-from oasiskv.kv.scorers import warm_up_scores
+from oasiskv.kv.scorers import QuestBound, warm_up_scores
 from oasiskv.kv.summaries import warm_up_key_copy
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.prefetch.executor import make_executor
@@ -156,12 +156,13 @@ def build_remote(owner: object, cache: CacheConfig, mc: ModelConfig, dtype: torc
 
 
 def warm_up(sparse: SparseKV, cache: CacheConfig, mc: ModelConfig) -> None:
-    """Compiles the block scoring, the rerank and the key copy's quantization for these
-    shapes, and loads the CPU row-copy kernel (a first build takes ~20 s), so that no request
-    waits for a compile."""
+    """Compiles the block scoring (where the predictor bounds blocks by their summaries), the
+    rerank and the key copy's quantization for these shapes, and loads the CPU row-copy kernel
+    (a first build takes ~20 s), so that no request waits for a compile."""
     t0 = time.perf_counter()
-    warm_up_scores(sparse.kmin, cache.score_aggregation, mc.num_heads // mc.num_kv_heads,
-                   cache.summary_splits)
+    if any(isinstance(s, QuestBound) for s in sparse.predictor.scorers):  # not rerank=inf's
+        warm_up_scores(sparse.kmin, cache.score_aggregation, mc.num_heads // mc.num_kv_heads,
+                       cache.summary_splits)
     if cache.reranks:  # its second stage, over the keys it reads
         keys = (sparse.key_codes if cache.key_copy else  # the host tier as the device reads it
                 sparse.host_view[:, 0].unflatten(2, (-1, cache.block_size)).transpose(1, 2))

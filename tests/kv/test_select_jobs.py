@@ -184,14 +184,17 @@ def test_bad_rerank_is_a_clear_error(kwargs, match):
         CacheConfig(kv_mode="sparse", **kwargs)
 
 
+@pytest.mark.parametrize("rerank", [2, float("inf")])
 @pytest.mark.parametrize("prefetch", ["sync", "async"])
-def test_the_engine_compiles_the_scoring_before_its_first_step(tiny_llama, prefetch):
+def test_the_engine_compiles_the_scoring_before_its_first_step(tiny_llama, prefetch, rerank):
     """Every shape a selection scores with (a first step's one layer, a step end's run of
     layers, a batch as one view, a request alone) is compiled when the engine is built: no
-    request's step waits for torch.compile."""
+    request's step waits for torch.compile. rerank=2 scores with the summaries' bound first;
+    rerank=inf (the default) never does, and its engine compiles none of it."""
     from torch._dynamo.utils import counters
 
-    llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=2, max_num_seqs=3, prefetch=prefetch)
+    llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=2, max_num_seqs=3, prefetch=prefetch,
+              rerank=rerank)
     graphs = counters["stats"]["unique_graphs"]
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist()
