@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from vnni_tier import int16_rounded, vnni_runs
+from vnni_tier import VNNI_TOLERANCE, int16_rounded, kernel_runs_vnni, tolerance, vnni_runs
 
 from oasiskv.kv import block_mass
 from oasiskv.kv.rerank import _matmul_mass_codes, candidate_mass_codes, rerank_layers
@@ -95,7 +95,7 @@ def test_the_kernel_matches_the_brute_force_on_each_instruction_set(ext, shape, 
         if vnni_runs(isa, codes, q.shape[-1]):
             # the same function of q rounded to int16 per head; within 1 % of q's own
             check(got, brute_force(codes, rows, block_scale, int16_rounded(q), real))
-            torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-4)
+            torch.testing.assert_close(got.double(), want, **VNNI_TOLERANCE)
         else:
             check(got, want)
     # the eager reference agrees (its form of the same function)
@@ -114,7 +114,7 @@ def test_groups_without_a_real_candidate_are_all_minus_inf_on_any_threads(ext, t
     finally:
         torch.set_num_threads(before)
     assert (got[1, 2] == float("-inf")).all() and (got[3] == float("-inf")).all()
-    if vnni_runs(ext.isas()[0], codes, q.shape[-1]):
+    if kernel_runs_vnni(codes, q.shape[-1]):
         q = int16_rounded(q)
     check(got, brute_force(codes, rows, block_scale, q, real))
 
@@ -154,15 +154,14 @@ def rerank_case(bits):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_rerank_layers_through_the_kernel_equals_the_compiled_path(ext, bits, monkeypatch):
     args = rerank_case(bits)
+    # the avx512vnni tier: q rounded to int16 (test_the_kernel_matches_the_brute_force...)
+    vnni = kernel_runs_vnni(args[5], args[1].shape[-1])
     with torch.inference_mode():
         got = rerank_layers(*args)
         monkeypatch.setenv(block_mass.ENV, "compiled")
         want = rerank_layers(*args)
     assert torch.equal(got == float("-inf"), want == float("-inf"))
-    # the avx512vnni tier: q rounded to int16 (test_the_kernel_matches_the_brute_force...)
-    vnni = vnni_runs(ext.isas()[0], args[5], args[1].shape[-1])
-    torch.testing.assert_close(got, want, rtol=1e-2 if vnni else 1e-5,
-                               atol=1e-4 if vnni else 1e-7)
+    torch.testing.assert_close(got, want, **tolerance(vnni, 1e-5, 1e-7))
     # the blocks a selection keeps (K = 4)
     assert torch.equal(got.topk(4).indices.sort().values, want.topk(4).indices.sort().values)
 

@@ -7,7 +7,7 @@ copies, the copies scored by the CPU kernel (`kv/block_mass.py`) or the compiled
 
 import pytest
 import torch
-from vnni_tier import vnni_runs
+from vnni_tier import kernel_runs_vnni, tolerance
 
 from oasiskv.kv import block_mass
 from oasiskv.kv.rerank import candidate_mass, candidate_mass_codes, rerank_layers, warm_up_rerank
@@ -68,10 +68,8 @@ def test_batched_rerank_picks_the_references_blocks(dtype, bits, seed, path, mon
     assert torch.equal(got == float("-inf"), want == float("-inf"))  # same candidates
     real = want > float("-inf")
     # the kernel's avx512vnni tier multiplies q rounded to int16 (tests/kv/test_block_mass.py)
-    ext = block_mass.extension() if path == "kernel" else None
-    vnni = ext is not None and vnni_runs(ext.isas()[0], codes, D)
-    assert torch.allclose(got[real], want[real], rtol=1e-2 if vnni else 1e-4,
-                          atol=1e-4 if vnni else 1e-6)
+    vnni = path == "kernel" and kernel_runs_vnni(codes, D)
+    assert torch.allclose(got[real], want[real], **tolerance(vnni, 1e-4, 1e-6))
     # what the selection keeps: each head's top K (request 1 has only 7 blocks in all)
     k = torch.topk(want, K, dim=-1)
     assert torch.equal(torch.topk(got, K, dim=-1).indices.sort(-1).values,
@@ -98,9 +96,8 @@ def test_candidates_past_the_blocks_score_every_real_block(bits, path, c, monkey
             got = rerank_layers(flat, q, scales, c, ids, keys.transpose(1, 2))
     assert torch.equal(got == float("-inf"), want == float("-inf"))
     real = want > float("-inf")
-    vnni = path == "kernel" and vnni_runs(block_mass.extension().isas()[0], codes, D) and bits
-    assert torch.allclose(got[real], want[real], rtol=1e-2 if vnni else 1e-4,
-                          atol=1e-4 if vnni else 1e-6)
+    vnni = path == "kernel" and kernel_runs_vnni(codes, D)
+    assert torch.allclose(got[real], want[real], **tolerance(vnni, 1e-4, 1e-6))
 
 
 def test_keys_whose_blocks_are_not_contiguous_are_a_clear_error():
