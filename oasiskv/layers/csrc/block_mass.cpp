@@ -38,10 +38,17 @@ namespace {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int GC_MAX = 4;  // query heads accumulated at once (two sets of GC_MAX accumulators)
+// Prefetch distances (scripts/bench_rerank.py at 7K x 6, every block: 11.9 ms a step with
+// AHEAD 2 and the next group's first 2, ~9 with 8 and 32; the memory's latency is ~2 blocks'
+// compute)
 #ifndef OASIS_AHEAD
-#define OASIS_AHEAD 2
+#define OASIS_AHEAD 8
 #endif
 constexpr int AHEAD = OASIS_AHEAD;  // candidates prefetched ahead
+#ifndef OASIS_LEAD
+#define OASIS_LEAD 32
+#endif
+constexpr int LEAD = OASIS_LEAD;  // the next group's first candidates, prefetched before pass 2
 
 struct Args {
   const uint8_t* pool;  // [rows, d, row_bytes] codes (int8: row_bytes B; 4-bit: B / 2)
@@ -287,7 +294,7 @@ OASIS_INLINE void run_groups(const Args& a, int64_t lo, int64_t hi) {
       }
     }
     if (n + 1 < hi)  // the next group's first blocks on their way during this one's pass 2
-      for (int64_t i = 0, k = 0; i < c && k < AHEAD; ++i)
+      for (int64_t i = 0, k = 0; i < c && k < LEAD; ++i)
         if (a.real[(n + 1) * c + i])
           prefetch_block(a.pool + a.rows[(n + 1) * c + i] * block, block), ++k;
     float* out = a.out + n * c;
