@@ -235,6 +235,13 @@ class CacheConfig:
         return self.kv_mode == "sparse" and self.rerank > 0 and self.predictor != "oracle"
 
     @property
+    def bounds(self) -> bool:
+        """sparse: whether selections bound blocks by their summaries (kmin/kmax on the
+        device): not where every block is re-ranked (rerank=inf) or the oracle ranks."""
+        return self.kv_mode == "sparse" and self.predictor != "oracle" and not (
+            self.reranks and math.isinf(self.rerank))
+
+    @property
     def key_copy(self) -> bool:
         """sparse: whether the device holds a key copy (a rerank from int8 or int4)."""
         return self.reranks and self.rerank_source in ("int8", "int4")

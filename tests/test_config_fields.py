@@ -390,9 +390,10 @@ def _rerank_source(ctx: Ctx) -> None:
 @row("summary_dtype")
 def _summary_dtype(ctx: Ctx) -> None:
     """Block summaries are stored in that dtype, each min the largest value <= the keys' min
-    (auto, for fp32 K/V: bfloat16)."""
+    (auto, for fp32 K/V: bfloat16). rerank=0: a selection that reads them (rerank=inf keeps
+    none)."""
     for kw, dtype in (({"summary_dtype": "float16"}, torch.float16), ({}, torch.bfloat16)):
-        llm = LLM(ctx.path, kv_mode="sparse", top_k=2, **kw)
+        llm = LLM(ctx.path, kv_mode="sparse", top_k=2, rerank=0, **kw)
         engine = llm.engine
         engine.add_request(PROMPTS[0], GREEDY, request_id="a")
         engine.step()  # the prefill: its 6 complete blocks summarized

@@ -100,7 +100,7 @@ def _build_sparse(owner: object, model: LlamaForCausalLM, cache: CacheConfig, mc
     # at f_host could hold (a budget >= f_host * history).
     split = split_sparse(
         cache.device_kv_budget, smc.kv_bytes_per_token(dtype) * block,
-        summary_bytes(smc, summary_dtype, cache.summary_splits)
+        (summary_bytes(smc, summary_dtype, cache.summary_splits) if cache.bounds else 0)
         + (key_copy_bytes(smc, block, cache.key_copy_bits) if cache.key_copy else 0)
         + dense_layer_bytes(mc, n_dense, block, dtype),
         cache.slab_blocks, -(-max_model_len // block),
@@ -119,7 +119,9 @@ def _build_sparse(owner: object, model: LlamaForCausalLM, cache: CacheConfig, mc
                      summaries=None if remote is None else BlockPool(split.summary_ids, block),
                      summary_room=split.summary_room)
     summary = (smc.num_layers, split.summary_ids, mc.num_kv_heads, mc.head_dim)
-    rows = (smc.num_layers, split.summary_ids * cache.summary_splits, *summary[2:])
+    # kmin/kmax: no rows where no selection reads them (rerank=inf, oracle)
+    rows = (smc.num_layers, split.summary_ids * cache.summary_splits if cache.bounds else 0,
+            *summary[2:])
     executor = make_executor(cache.prefetch, device)
     weakref.finalize(owner, executor.close)  # no worker outlives the engine
     sparse = SparseKV(cache, device_kv, host_kv[n_dense:] if n_dense else host_kv,

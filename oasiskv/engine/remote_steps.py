@@ -86,6 +86,10 @@ def handoff_sequence(engine: LLMEngine, handoff: Handoff, params: SamplingParams
                          f"{h.summary_splits}, this engine's is "
                          f"{engine.config.cache.summary_splits}: set it alike on both workers")
     cache = engine.config.cache
+    if cache.bounds and h.kmin.shape[1] == 0 and h.num_computed_tokens >= B:
+        raise ValueError(f"hand-over of request {h.request_id!r} has no block summaries "
+                         f"(its engine reranks every block), this engine bounds blocks by "
+                         f"them: set rerank alike on both workers")
     ours = cache.key_copy_bits if cache.key_copy else None
     theirs = None if h.key_codes is None else (8 if h.key_codes.dtype == torch.int8 else 4)
     if ours != theirs:

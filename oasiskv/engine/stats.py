@@ -90,9 +90,10 @@ def device_memory(engine: LLMEngine) -> dict:
                    summary_ids_peak=ids.peak_used, summary_bytes_per_block=split.summary_bytes)
         splits = engine.config.cache.summary_splits
         if splits > 1:  # part of summary_bytes_per_block: kmin/kmax of every sub-block
-            rows = engine.sparse.kmin  # [L, ids * splits, Hkv, d]
+            rows = engine.sparse.kmin  # [L, ids * splits (none: rerank=inf), Hkv, d]
+            row = rows.shape[0] * rows.shape[2] * rows.shape[3] * rows.element_size()
             out.update(summary_splits=splits, summary_minmax_bytes_per_block=2 * splits * (
-                rows[:, 0].numel() * rows.element_size()))
+                row if engine.config.cache.bounds else 0))
         copy = [engine.sparse.key_codes, engine.sparse.key_scales]
         if copy[0] is not None:  # part of summary_bytes_per_block
             out.update(key_copy_bytes_per_block=sum(t[:, 0].numel() * t.element_size()

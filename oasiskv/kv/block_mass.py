@@ -2,9 +2,11 @@
 (`layers/csrc/block_mass.cpp`): what `rerank._fused_mass_codes` computes, about twice as
 fast. SmolLM2-135M at 7K x 6 requests, K=128 (c=256, 142 MB of int8 codes a step), 2 threads
 of a 2-core AMD EPYC (Zen 4), quiet machine (`scripts/bench_rerank.py --threads 2`): 12.4 ms
-a step (AVX-512; AVX2 14.2) vs inductor's 25.8. Its loops run near the FMA bound (6.4 ms with
-the codes in cache); the rest is the random 1 KB blocks' reads from memory (11.4 GB/s;
-11.2 ms where the pool is on huge pages, THP_MEM_ALLOC_ENABLE=1).
+a step (AVX-512; AVX2 14.2) vs inductor's 25.8; 6.7-7.3 ms since the kernel prefetches 8
+blocks ahead (was 2), and every block of the six (rerank=inf, 248 MB) 8.7-9.7 ms. The reads
+from memory set its pace: with the codes in cache the same pass takes ~5.5 ms, and integer
+products from bytes regrouped by vpermb (no widening) were no faster than the avx512vnni tier
+below (measured, not kept).
 
 Built and loaded as the decode-attention kernel is (`layers/decode_kernel.load`: cached on
 disk, one binary for any x86-64, chosen by CPUID at run time); where it cannot be built or

@@ -1,7 +1,8 @@
 """How an engine spends `device_kv_budget`: every byte of it is one of the device's KV tensors.
 
 Dense: KV blocks only. Sparse: KV blocks for the requests' slabs (K+2 blocks each) and block
-summaries (kmin/kmax of one block in every layer, summary_splits pairs of them, and with
+summaries (kmin/kmax of one block in every layer, summary_splits pairs of them, where
+selections bound blocks by them: not with rerank=inf or the oracle; and with
 rerank_source=int8 the block's int8 key copy) for their histories, tensors whose sizes add up
 to at most the budget. With
 dense_layers=N the slabs, summaries and key copy cover the other layers only, and each block of
@@ -68,6 +69,10 @@ def split_sparse(budget: int, block_bytes: int, summary_size: int, slab_blocks: 
     """KV blocks and summary ids under `budget`: slabs of `slab_blocks` and summaries of
     `request_blocks` blocks (a request of the longest context) in proportion, at least one KV
     block; then at most `summary_cap` summaries, the rest of the budget as KV blocks."""
+    if summary_size == 0:  # summaries that hold nothing on the device (the oracle's, rerank=inf
+        # from host keys): as many ids as the host tier can use, the budget all slabs
+        blocks = split_dense(budget, block_bytes).kv_blocks
+        return DeviceSplit(blocks, summary_cap, summary_cap, block_bytes, 0)
     per_request = slab_blocks * block_bytes + request_blocks * summary_size
     kv = max(1, budget * slab_blocks // per_request)
     room = (budget - kv * block_bytes) // summary_size

@@ -46,7 +46,8 @@ class Handoff:
     kept: list[torch.Tensor]  # per layer [m_l]: logical prompt blocks sent whole
     slab_namespace: str | None  # slab: where the K slot blocks of each layer wait
     kmin: torch.Tensor  # [L, n_full * S, Hkv, d] summaries of every complete logical block
-    kmax: torch.Tensor  # (S = summary_splits rows per block, `summaries.summary_rows`)
+    kmax: torch.Tensor  # (S = summary_splits rows per block, `summaries.summary_rows`); no
+    # rows where the prefill worker's selection reads none (rerank=inf, oracle)
     tail: torch.Tensor  # [L, 2, Hkv, T, d] K/V of tokens P*B .. num_computed (not in store)
     head_map: torch.Tensor  # [L, K, Hkv] working set: logical block per (slot, head)
     ages: torch.Tensor  # [L, K, Hkv] select.stamp of each slot minus the step's stamp (<= 0)
@@ -105,6 +106,7 @@ def take_handoff(kv: SparseKV, seq: Sequence, transfer: str) -> Handoff:
     ws = seq.working_set
     ids = torch.tensor(seq.summary_ids[:n_full], dtype=torch.long)
     rows = summary_rows(ids, kv.cfg.summary_splits)
+    sent = rows if kv.cfg.bounds else rows[:0]  # no summaries where no selection reads them
     # K/V after the last complete prompt block: on the host (fills and write-through)
     blocks = torch.tensor([kv.host_block(seq, b) for b in range(P, n_full + 1)],
                           dtype=torch.long)
@@ -122,7 +124,7 @@ def take_handoff(kv: SparseKV, seq: Sequence, transfer: str) -> Handoff:
         token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
         num_computed_tokens=seq.num_computed_tokens, transfer=transfer, kept=kept,
         slab_namespace=None,
-        kmin=kv.kmin[:, rows].cpu(), kmax=kv.kmax[:, rows].cpu(), tail=tail.cpu(),
+        kmin=kv.kmin[:, sent].cpu(), kmax=kv.kmax[:, sent].cpu(), tail=tail.cpu(),
         head_map=ws.head_map.clone(), ages=ws.last_used - stamp(kv.step),
         seeded=list(ws.seeded), primed=list(ws.primed), draft_tokens=list(seq.draft_tokens),
         draft_weights=seq.draft_weights,
@@ -146,8 +148,9 @@ def receive_handoff(kv: SparseKV, seq: Sequence, handoff: Handoff) -> int:
     P, n_full = h.num_prompt_blocks, h.num_computed_tokens // B
     ids = torch.tensor(seq.summary_ids[:n_full], dtype=torch.long)
     rows = summary_rows(ids, h.summary_splits)  # the same splits (engine.add_handoff)
-    kmin, kmax = round_outward(h.kmin, h.kmax, kv.kmin.dtype)  # exact when the dtypes match
-    kv.kmin[:, rows], kv.kmax[:, rows] = kmin.to(kv.kmin.device), kmax.to(kv.kmax.device)
+    if kv.cfg.bounds:  # the same kind of selection (engine.add_handoff)
+        kmin, kmax = round_outward(h.kmin, h.kmax, kv.kmin.dtype)  # exact when dtypes match
+        kv.kmin[:, rows], kv.kmax[:, rows] = kmin.to(kv.kmin.device), kmax.to(kv.kmax.device)
     if kv.key_codes is not None:  # the same kind of copy (engine.add_handoff)
         kv.key_codes[:, ids] = h.key_codes.to(kv.key_codes.device)
         kv.key_scales[:, ids] = h.key_scales.to(kv.key_scales.device)

@@ -56,10 +56,11 @@ class PromptStore:
                    layers: slice = slice(None)) -> None:
         # keys [layers, Hkv, n, B, d] -> summaries of ids [n]; every layer's in one reduction
         # (a prompt's: 1.35x faster than layer by layer)
-        S = self.cfg.summary_splits
-        kmin, kmax = round_outward(*summarize(keys, S), self.kmin.dtype)  # [layers, n*S, Hkv, d]
-        rows = summary_rows(ids, S)
-        self.kmin[layers, rows], self.kmax[layers, rows] = kmin, kmax
+        if self.cfg.bounds:  # [layers, n*S, Hkv, d]
+            S = self.cfg.summary_splits
+            kmin, kmax = round_outward(*summarize(keys, S), self.kmin.dtype)
+            rows = summary_rows(ids, S)
+            self.kmin[layers, rows], self.kmax[layers, rows] = kmin, kmax
         if self.key_codes is not None:  # the key copy, with the summary
             # [layers, n, Hkv, d, B (int4: B/2)], [layers, n, Hkv]
             codes, scales = quantize_keys(keys, self.cfg.key_copy_bits)

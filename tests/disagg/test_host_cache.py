@@ -15,7 +15,7 @@ from oasiskv import LLM, SamplingParams
 from oasiskv.config import CacheConfig
 from oasiskv.kv.host_cache import HostCache
 from oasiskv.kv.prefix_cache import is_entry
-from oasiskv.kv.summaries import round_outward
+from oasiskv.kv.summaries import quantize_keys, round_outward
 from oasiskv.store import BlockKey, RemoteStore, RemoteStoreError
 
 B = 16
@@ -126,9 +126,9 @@ def budget(engine, seq, f_host: float) -> int:
 
 def check_host_caches(engine, f_host: float) -> None:
     """Every handed-over request owns exactly its budget of host blocks; in every layer the
-    summaries of all its prompt blocks and its resident prompt blocks match the store's copy,
-    and every device slot of a working set holds its block: the store's copy of a prompt
-    block, the host's of a generated one."""
+    summaries (or the key copy, or both) of all its prompt blocks and its resident prompt
+    blocks match the store's copy, and every device slot of a working set holds its block: the
+    store's copy of a prompt block, the host's of a generated one."""
     sp = engine.sparse
     sp.flush()  # async prefetch: let the step's jobs land
     store = sp.remote.store
@@ -148,9 +148,15 @@ def check_host_caches(engine, f_host: float) -> None:
             stored = store.get_blocks([BlockKey(cache.namespace, layer, b) for b in range(P)])
             for b, block in enumerate(stored):  # [2, Hkv, B, d]
                 ids = seq.summary_ids[b]  # summaries stay for evicted blocks too
-                kmin, kmax = round_outward(block[0].amin(1), block[0].amax(1), sp.kmin.dtype)
-                assert torch.equal(sp.kmin[layer, ids], kmin)
-                assert torch.equal(sp.kmax[layer, ids], kmax)
+                if sp.cfg.bounds:
+                    kmin, kmax = round_outward(block[0].amin(1), block[0].amax(1),
+                                               sp.kmin.dtype)
+                    assert torch.equal(sp.kmin[layer, ids], kmin)
+                    assert torch.equal(sp.kmax[layer, ids], kmax)
+                if sp.key_codes is not None:  # [Hkv, B, d] as one layer's one block
+                    codes, scales = quantize_keys(block[0][None, :, None], sp.cfg.key_copy_bits)
+                    assert torch.equal(sp.key_codes[layer, ids], codes[0, 0])
+                    assert torch.equal(sp.key_scales[layer, ids], scales[0, 0])
                 if where[b] >= 0:
                     slot = int(where[b]) * B
                     assert torch.equal(sp.host_kv[layer, :, :, slot:slot + B], block)

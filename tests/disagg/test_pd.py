@@ -47,12 +47,15 @@ def test_pd_gives_the_tokens_of_one_engine(tiny_llama, transfer, f_host, prefetc
     pd.close()
 
 
+BOUNDS = {**SPARSE, "rerank": 0}  # selections by the summaries' bound: they cross
+
+
 def test_half_summaries_halve_their_share_of_the_hand_over(tiny_llama):
     prompts = prompts_of([230, 180], seed=4)
-    want = single_node(tiny_llama, prompts, summary_dtype="float16")
+    want = single_node(tiny_llama, prompts, summary_dtype="float16", rerank=0)
     metadata = {}
     for dtype in ("float32", "float16"):
-        pd = DisaggregatedLLM(str(tiny_llama), transfer="slab", summary_dtype=dtype, **SPARSE)
+        pd = DisaggregatedLLM(str(tiny_llama), transfer="slab", summary_dtype=dtype, **BOUNDS)
         got = pd.generate(prompts, GREEDY, use_tqdm=False)
         if dtype == "float16":
             assert [o.token_ids for o in got] == want
@@ -67,11 +70,11 @@ def test_split_summaries_travel_with_the_hand_over(tiny_llama):
     block (twice the rows of one summary per block) and the decode worker continues as one
     engine with the same setting would; workers that disagree are refused at construction."""
     prompts = prompts_of([230, 180], seed=4)
-    want = single_node(tiny_llama, prompts, summary_splits=2)
+    want = single_node(tiny_llama, prompts, summary_splits=2, rerank=0)
     rows = {}
     for splits in (1, 2):
         pd = DisaggregatedLLM(str(tiny_llama), transfer="partial", summary_splits=splits,
-                              **SPARSE)
+                              **BOUNDS)
         got = pd.generate(prompts, GREEDY, use_tqdm=False)
         if splits == 2:
             assert [o.token_ids for o in got] == want
@@ -82,8 +85,8 @@ def test_split_summaries_travel_with_the_hand_over(tiny_llama):
     assert rows[2] == (2 * rows[1][0], rows[1][1]) and rows[1][0] == rows[1][1]
     with pytest.raises(ValueError, match="summary_splits must be the same on both workers, "
                                          "got prefill 1, decode 2"):
-        DisaggregatedLLM(str(tiny_llama), decode={"summary_splits": 2}, **SPARSE)
-    other = LLM(str(tiny_llama), **SPARSE, remote_store="inprocess", summary_splits=4)
+        DisaggregatedLLM(str(tiny_llama), decode={"summary_splits": 2}, **BOUNDS)
+    other = LLM(str(tiny_llama), **BOUNDS, remote_store="inprocess", summary_splits=4)
     with pytest.raises(ValueError, match="has summary_splits 2, this engine's is 4"):
         other.engine.add_handoff(h, GREEDY)  # the last hand-over: splits 2
     assert not other.engine.has_unfinished()
@@ -115,6 +118,30 @@ def test_the_key_copy_travels_with_the_hand_over(tiny_llama, source):
     with pytest.raises(ValueError, match=f"has an {source} key copy, this engine reranks "
                                          "from no key copy"):
         other.engine.add_handoff(h, GREEDY)
+    other.close()
+
+
+def test_a_hand_over_that_reranks_every_block_carries_no_summaries(tiny_llama):
+    """rerank=inf (the default) reads no summary: the hand-over carries the key copy without
+    them, smaller than rerank=2's by exactly their bytes; a decode worker whose selection
+    bounds blocks by summaries refuses it, naming the setting."""
+    prompts = prompts_of([230, 180], seed=4)
+    handoffs = {}
+    for rerank in (float("inf"), 2):
+        pd = DisaggregatedLLM(str(tiny_llama), transfer="partial", **{**SPARSE, "rerank": rerank})
+        pd.generate(prompts, GREEDY, use_tqdm=False)
+        handoffs[rerank] = next(iter(pd.handoffs.values()))
+        pd.close()
+    every, bounds = handoffs[float("inf")], handoffs[2]
+    n_full = every.num_computed_tokens // B
+    assert every.kmin.shape[1] == every.kmax.shape[1] == 0
+    assert bounds.kmin.shape[1] == n_full and every.key_codes.shape[1] == n_full
+    summaries = 2 * bounds.kmin.numel() * bounds.kmin.element_size()
+    assert bounds.metadata_bytes - every.metadata_bytes == summaries > 0
+    other = LLM(str(tiny_llama), **SPARSE, remote_store="inprocess", rerank=2)
+    with pytest.raises(ValueError, match="has no block summaries .* set rerank alike"):
+        other.engine.add_handoff(every, GREEDY)
+    assert not other.engine.has_unfinished()
     other.close()
 
 

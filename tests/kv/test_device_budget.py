@@ -20,6 +20,7 @@ import torch
 from oasiskv.config import EngineConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.kv.blocks import BlockPool, KVAllocator
+from oasiskv.kv.device_budget import split_sparse
 from oasiskv.sampling_params import SamplingParams
 from oasiskv.sequence import Sequence
 
@@ -57,8 +58,11 @@ CASES = {
     "sparse-fp32-summaries": dict(kv_mode="sparse", top_k=2, device_kv_budget=300 * KiB,
                                   host_kv_budget=1024 * KiB, summary_dtype="float32",
                                   rerank=0),
+    # rerank=inf (the default): the key copy only, no kmin/kmax (no selection reads them)
     "sparse-key-copy": dict(kv_mode="sparse", top_k=2, device_kv_budget=300 * KiB,
                             host_kv_budget=1024 * KiB),
+    "sparse-key-copy-bounds": dict(kv_mode="sparse", top_k=2, device_kv_budget=300 * KiB,
+                                   host_kv_budget=1024 * KiB, rerank=2),
 }
 
 
@@ -80,11 +84,16 @@ def test_device_tensors_add_up_to_the_budget(tiny_llama, case):
     assert len(running) == 3
     # every pool block in use is a running request's, and (sparse) its slab is all it holds
     assert engine.pool.num_used == sum(len(s.block_table) for s in running)
-    summary_rows = 0 if engine.sparse is None else engine.sparse.kmin.shape[1]
+    ids = engine.device_split.summary_ids
+    if engine.sparse is not None:  # kmin/kmax: a row per summary id, or none at all
+        bounds = kw.get("rerank", float("inf")) != float("inf")
+        assert engine.sparse.kmin.shape[1] == (ids if bounds else 0)
+        if engine.sparse.key_codes is not None:
+            assert engine.sparse.key_codes.shape[1] == ids
     for s in running:
         if engine.sparse is not None:
             assert len(s.block_table) == 2 + 2  # top_k + 2
-            assert len(s.summary_ids) == 3 and max(s.summary_ids) < summary_rows
+            assert len(s.summary_ids) == 3 and max(s.summary_ids) < ids
     used = engine.stats()["device_bytes_used"]
     per_summary = 0 if engine.sparse is None else engine.stats()["summary_bytes_per_block"]
     assert used == engine.pool.num_used * BLOCK + 3 * 3 * per_summary
@@ -172,3 +181,14 @@ def test_allocator_refuses_a_request_whose_summaries_do_not_fit():
     assert kv.can_grow(seqs[2], 48)
     assert "needs the summaries of 8 blocks on the device" in kv.fits_alone(128)
     assert kv.fits_alone(112) is None
+
+
+def test_summaries_that_hold_no_device_bytes_leave_the_budget_to_the_slabs():
+    """The oracle's and rerank=inf-from-host-keys' summary ids cost the device nothing: every
+    whole block of the budget is a KV block, and the ids are what the host tier can use; with
+    bytes per summary, slabs and summaries share the budget (by hand: 10 slab blocks of 100 B
+    and 50 summaries of 4 B per request, 1,200 B a request: 10 requests in 12,000 B)."""
+    split = split_sparse(10_050, 100, 0, slab_blocks=10, request_blocks=50, summary_cap=77)
+    assert (split.kv_blocks, split.summary_ids, split.allocated) == (100, 77, 10_000)
+    split = split_sparse(12_000, 100, 4, slab_blocks=10, request_blocks=50, summary_cap=10**6)
+    assert (split.kv_blocks, split.summary_ids) == (100, 500)

@@ -21,7 +21,7 @@ from oasiskv.kv.select import (
     top_k_blocks,
     weighted_scores,
 )
-from oasiskv.kv.summaries import round_outward
+from oasiskv.kv.summaries import quantize_keys, round_outward
 
 # ---------------------------------------------------------------- scoring and top-K
 
@@ -259,12 +259,18 @@ def check_working_sets(engine):
     engine.sparse.flush()  # async prefetch: let the step's jobs land
     sp, B, K = engine.sparse, engine.pool.block_size, engine.config.cache.top_k
     for seq in engine.scheduler.running:
-        # every complete block of the history has its summary, prefill or decode alike
+        # every complete block of the history has its summary (where selections bound blocks
+        # by them) and its key copy (where one is kept), prefill or decode alike
         for b in range(seq.num_computed_tokens // B):
-            host = seq.host_table[b]
+            host, ids = seq.host_table[b], seq.summary_ids[b]
             keys = sp.host_kv[:, 0, :, host * B:(host + 1) * B]  # [L, Hkv, B, d]
-            kmin, kmax = round_outward(keys.amin(2), keys.amax(2), sp.kmin.dtype)
-            assert torch.equal(sp.kmin[:, host], kmin) and torch.equal(sp.kmax[:, host], kmax)
+            if sp.cfg.bounds:
+                kmin, kmax = round_outward(keys.amin(2), keys.amax(2), sp.kmin.dtype)
+                assert torch.equal(sp.kmin[:, ids], kmin) and torch.equal(sp.kmax[:, ids], kmax)
+            if sp.key_codes is not None:  # [L, 1 block, Hkv, d, B]
+                codes, scales = quantize_keys(keys[:, :, None], sp.cfg.key_copy_bits)
+                assert torch.equal(sp.key_codes[:, ids], codes[:, 0])
+                assert torch.equal(sp.key_scales[:, ids], scales[:, 0])
         ws = seq.working_set
         if ws is None:
             continue

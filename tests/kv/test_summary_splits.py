@@ -159,7 +159,7 @@ def test_engine_summaries_are_each_sub_blocks_min_and_max(tiny_llama):
     """Every complete block's S rows bound exactly its sub-blocks' host keys (float32
     summaries: no rounding), after prefill and after blocks that decode completes."""
     llm = LLM(str(tiny_llama), kv_mode="sparse", top_k=2, summary_splits=4,
-              summary_dtype="float32")
+              summary_dtype="float32", rerank=0)  # selections that read the summaries
     sp, seen = llm.engine.sparse, []
 
     def check(batch):
