@@ -56,11 +56,10 @@ def test_one_run_of_dense_and_two_sparse_configurations(model, tmp_path, capsys)
             assert r["failed"] == 0 and r["device_peak_bytes"] <= 760 * 1024
         assert small["tps_ratio"] == small["tps"] / dense["tps"]
         # what a request holds on the device: its whole K/V (46 blocks of 8 KiB) against a
-        # K+2-block slab and its 46 blocks' summaries (kmin, kmax: 2 layers x 2 heads x 16,
-        # bfloat16: 256 B) and int8 key copies (2 layers x 2 heads x (16 x 16 codes + a
-        # float32 scale): 1,040 B)
+        # K+2-block slab and its 46 blocks' int8 key copies (2 layers x 2 heads x (16 x 16
+        # codes + a float32 scale): 1,040 B); rerank=inf (the default) keeps no summaries
         assert dense["device_bytes_per_request"] == 46 * 8192
-        assert small["device_bytes_per_request"] == 4 * 8192 + 46 * (256 + 1040)
+        assert small["device_bytes_per_request"] == 4 * 8192 + 46 * 1040
     assert rows[("dense", 4)]["running_max"] == 2 and rows[(SMALL, 4)]["running_max"] == 4
     assert rows[("dense", 3)]["running"] < 2  # the third request waited: bytes per request
     # are per request held at once, not per mean batch
