@@ -32,7 +32,7 @@ from oasiskv.kv.prefix_cache import model_fingerprint
 from oasiskv.kv.remote_tier import RemoteTier, open_store
 from oasiskv.kv.rerank import warm_up_rerank
 from oasiskv.kv.residency import SparseKV
-from oasiskv.kv.scorers import QuestBound, warm_up_scores
+from oasiskv.kv.scorers import warm_up_scores
 from oasiskv.kv.summaries import warm_up_key_copy
 from oasiskv.models.llama import LlamaForCausalLM
 from oasiskv.prefetch.executor import make_executor
@@ -162,7 +162,7 @@ def warm_up(sparse: SparseKV, cache: CacheConfig, mc: ModelConfig) -> None:
     rerank and the key copy's quantization for these shapes, and loads the CPU row-copy kernel
     (a first build takes ~20 s), so that no request waits for a compile."""
     t0 = time.perf_counter()
-    if any(isinstance(s, QuestBound) for s in sparse.predictor.scorers):  # not rerank=inf's
+    if cache.bounds:  # the predictor bounds blocks by summaries (not rerank=inf, not oracle)
         warm_up_scores(sparse.kmin, cache.score_aggregation, mc.num_heads // mc.num_kv_heads,
                        cache.summary_splits)
     if cache.reranks:  # its second stage, over the keys it reads
