@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from oasiskv.kv import select_kernel
 from oasiskv.kv.row_copy import copy_rows
-from oasiskv.kv.select import select_capped_lru_batch
+from oasiskv.kv.select import BatchSelection, select_capped_lru_batch
 from oasiskv.kv.transfers import upload
 
 if TYPE_CHECKING:
@@ -101,10 +102,14 @@ class SelectJob:
             scores = scorer.score(self, scores)  # [layers, R, Hkv, n]
             if pinned is not None:
                 scores.masked_fill_(pinned, float("inf"))
-        top = torch.topk(scores, min(K, n), dim=-1, sorted=True).indices  # [layers, R, Hkv, k]
-        real = (torch.arange(top.shape[-1], device=top.device)
-                < self.lengths.clamp(max=K)[:, None])  # [R, k]
-        self.predicted = top.masked_fill(~real[:, None, :], -2)
+        k, real = min(K, n), self.lengths.clamp(max=K)  # [R] each request's picks
+        if (ext := select_kernel.serves(scores)) is not None:
+            self.predicted = ext.top_blocks(scores.float().flatten(0, -2).contiguous(), real,
+                                            scores.shape[2], k).view(*scores.shape[:3], k)
+            return
+        top = torch.topk(scores, k, dim=-1, sorted=True).indices  # [layers, R, Hkv, k]
+        past = torch.arange(k, device=top.device) >= real[:, None]  # [R, k]
+        self.predicted = top.masked_fill(past[:, None, :], -2)
 
     def select(self) -> None:
         """Hits stay; up to the cap of misses replace LRU victims (head maps updated)."""
@@ -113,14 +118,21 @@ class SelectJob:
             return
         kv, K, R = self.kv, self.kv.cfg.top_k, len(self.picks)
         wss = self.working_sets
-        # (layer, request) pairs are the batch: [layers, R, K, Hkv], flattened as views
-        head_map = torch.stack([ws.head_map[self.run] for ws in wss], 1)
-        last_used = torch.stack([ws.last_used[self.run] for ws in wss], 1)
-        sel = select_capped_lru_batch(head_map.flatten(0, 1), last_used.flatten(0, 1),
-                                      self.predicted.flatten(0, 1), self.caps.flatten(),
-                                      self.step, self.ids.shape[1], self.max_cap)
+        ext = select_kernel.serves(self.predicted)
+        if ext is not None and all(ws.head_map.is_contiguous() and ws.last_used.is_contiguous()
+                                   for ws in wss):  # in place
+            sel = BatchSelection(*ext.select_lru(
+                [ws.head_map for ws in wss], [ws.last_used for ws in wss], self.layers[0],
+                self.predicted, self.caps, self.step, self.ids.shape[1], self.max_cap))
+        else:  # (layer, request) pairs are the batch: [layers, R, K, Hkv], flattened as views
+            head_map = torch.stack([ws.head_map[self.run] for ws in wss], 1)
+            last_used = torch.stack([ws.last_used[self.run] for ws in wss], 1)
+            sel = select_capped_lru_batch(head_map.flatten(0, 1), last_used.flatten(0, 1),
+                                          self.predicted.flatten(0, 1), self.caps.flatten(),
+                                          self.step, self.ids.shape[1], self.max_cap)
+            for i, ws in enumerate(wss):
+                ws.head_map[self.run], ws.last_used[self.run] = head_map[:, i], last_used[:, i]
         for i, ws in enumerate(wss):
-            ws.head_map[self.run], ws.last_used[self.run] = head_map[:, i], last_used[:, i]
             past_k = self.counts[i] > K
             for layer in self.layers:
                 ws.seeded[layer] = ws.seeded[layer] or past_k
