@@ -10,6 +10,7 @@ import time
 import torch
 
 from oasiskv.config import CacheConfig
+from oasiskv.kv import select_kernel
 from oasiskv.kv.predictors import Predictor
 from oasiskv.kv.select import draft_weights, mixed_queries
 from oasiskv.kv.select_jobs import SelectJob
@@ -79,17 +80,23 @@ class SparseLayerHooks:
         # masks for the whole batch at once: slot k of head g is valid when it holds a block;
         # the active block's tokens up to this step's position. One buffer a step, each
         # request's mask a view of it (attention reads them), rewritten layer by layer
-        resident = torch.stack([d.seq.working_set.head_map[layer] for d in self._decodes]) >= 0
-        R, K, hkv = resident.shape  # [R, K, Hkv]
+        maps = [d.seq.working_set.head_map for d in self._decodes]  # [L, K, Hkv] each
+        R, (_, K, hkv), dev = len(maps), maps[0].shape, maps[0].device
         if "masks" not in self._batches:  # once a step: the active part built on the host
             filled = torch.tensor([d.pos % B for d in self._decodes])
-            active = upload(torch.arange(B) <= filled[:, None], resident.device)  # [R, B]
-            masks = torch.empty(R, hkv, (K + 1) * B, dtype=torch.bool, device=resident.device)
+            active = upload(torch.arange(B) <= filled[:, None], dev)  # [R, B]
+            masks = torch.empty(R, hkv, (K + 1) * B, dtype=torch.bool, device=dev)
             masks[..., K * B:] = active[:, None]
             for d, mask in zip(self._decodes, masks, strict=True):
                 d.attn.kv_valid = mask  # [Hkv, (K+1)*B]
             self._batches["masks"] = masks
-        self._batches["masks"][..., :K * B].view(R, hkv, K, B).copy_(
+        masks = self._batches["masks"]
+        if (ext := select_kernel.serves(masks)) is not None and all(
+                m.is_contiguous() for m in maps):
+            ext.resident_masks(maps, layer, masks, B)
+            return
+        resident = torch.stack([m[layer] for m in maps]) >= 0  # [R, K, Hkv]
+        masks[..., :K * B].view(R, hkv, K, B).copy_(
             resident.transpose(1, 2)[..., None].expand(R, hkv, K, B))
 
     def after_attention(self, layer: int, q: torch.Tensor) -> None:

@@ -2,8 +2,8 @@
 PyTorch ops it replaces on the CPU: top-k equal to `torch.topk` (padding past a request's
 blocks, ties to the lower block), the capped-LRU update equal to `select_capped_lru_batch`
 over a run of steps (caps per layer and request, seeding, stale slots, a run of layers in the
-middle), on 1 and 2 threads; bad input refused by name; an engine's tokens and counters the
-same with the kernel and with the ops."""
+middle), on 1 and 2 threads; attention's masks of the working sets; bad input refused by
+name; an engine's tokens and counters the same with the kernel and with the ops."""
 
 import pytest
 import torch
@@ -94,6 +94,19 @@ def test_select_lru_at_the_engine_shape(ext):
     g = torch.Generator().manual_seed(7)
     run_steps(ext, g, L=3, R=6, H=3, n=448, K=128, l0=0, steps=4,
               lengths=torch.tensor([448, 448, 300, 100, 448, 12]))
+
+
+def test_resident_masks_equal_the_expanded_comparison(ext):
+    g = torch.Generator().manual_seed(3)
+    L, K, H, B, R = 4, 6, 3, 4, 3
+    maps = [torch.randint(-1, 9, (L, K, H), generator=g) for _ in range(R)]
+    masks = torch.ones(R, H, (K + 1) * B, dtype=torch.bool)  # the active block's part stays
+    ext.resident_masks(maps, 2, masks, B)
+    want = (torch.stack([m[2] for m in maps]) >= 0).transpose(1, 2).repeat_interleave(B, -1)
+    assert torch.equal(masks[..., :K * B], want)
+    assert masks[..., K * B:].all()
+    with pytest.raises(RuntimeError, match="with layer 4"):
+        ext.resident_masks(maps, 4, masks, B)
 
 
 def test_bad_input_is_refused_by_name(ext):

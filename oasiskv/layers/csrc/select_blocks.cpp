@@ -15,6 +15,9 @@
 // (layer-major (layer, request), head, then the j-th miss by rank into the j-th victim): hits
 // stamped with their rank, up to cap misses each replacing an empty slot or the least recently
 // selected block outside the predicted set (stable: the lower slot first on equal stamps).
+//
+// resident_masks: attention's masks of a layer, each slot of a head's block slots valid when
+// the slot holds a block (the stack, compare and expanded copy it replaces took ~50 us a layer)
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -166,6 +169,29 @@ select_lru(const std::vector<at::Tensor>& head_maps, const std::vector<at::Tenso
   return {requests, slots, heads, blocks, admitted, n_pred, n_hit, n_want};
 }
 
+void resident_masks(const std::vector<at::Tensor>& head_maps, int64_t layer, at::Tensor& masks,
+                    int64_t block) {
+  const int64_t R = int64_t(head_maps.size());
+  TORCH_CHECK(masks.device().is_cpu() && masks.dim() == 3 && masks.size(0) == R &&
+                  masks.scalar_type() == at::kBool && masks.is_contiguous(),
+              "masks: a contiguous [R, Hkv, slots] bool CPU tensor, one per working set");
+  const int64_t H = masks.size(1), slots = masks.size(2);
+  for (const at::Tensor& t : head_maps)
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 3 &&
+                    t.is_contiguous() && t.size(2) == H && t.size(1) * block <= slots &&
+                    layer >= 0 && layer < t.size(0),
+                "head maps: contiguous [layers, K, Hkv] int64 CPU tensors with layer ", layer,
+                " and K * block within the masks' ", slots, " slots, got ", t.sizes());
+  bool* m = masks.data_ptr<bool>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t K = head_maps[r].size(1);
+    const int64_t* hm = head_maps[r].data_ptr<int64_t>() + layer * K * H;
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < K; ++i)
+        std::memset(m + (r * H + h) * slots + i * block, hm[i * H + h] >= 0, block);
+  }
+}
+
 std::vector<std::string> isas() { return {"base"}; }  // decode_kernel.load asks every kernel
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -174,5 +200,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("select_lru", &select_lru, "the capped-LRU selection of every (layer, request, head)",
         py::arg("head_maps"), py::arg("last_useds"), py::arg("l0"), py::arg("predicted"),
         py::arg("caps"), py::arg("step"), py::arg("num_blocks"), py::arg("max_cap"));
+  m.def("resident_masks", &resident_masks, "masks[r, h, :K*B]: slot by slot, whether the "
+        "head's block slot holds a block", py::arg("head_maps"), py::arg("layer"),
+        py::arg("masks"), py::arg("block"));
   m.def("isas", &isas, "the instruction sets this build runs");
 }
