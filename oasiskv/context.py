@@ -48,7 +48,7 @@ class KVWrite:
     """New tokens' K/V rows of the batch -> token slots of one pool."""
 
     pool: str  # "device" or "host"
-    rows: torch.Tensor  # [n] rows of the step's token batch
+    rows: torch.Tensor | slice  # [n] rows of the step's token batch (a slice: the first n)
     slots: torch.Tensor  # [n] token slots
 
 

@@ -53,6 +53,15 @@ class StepOutput(NamedTuple):
     features: list[torch.Tensor | None]  # per batch entry: [n + m, F] aux features, or None
 
 
+def write_rows(rows: torch.Tensor, device: torch.device) -> torch.Tensor | slice:
+    """A write's rows on the device, or a slice when they are the batch's first rows in order
+    (a decode batch's, drafts included or not): the layers then write k[rows] as a view,
+    without a gather each."""
+    if torch.equal(rows, torch.arange(len(rows))):
+        return slice(0, len(rows))
+    return rows.to(device)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, device_kv: torch.Tensor, block_size: int,
                  host_kv: torch.Tensor | None = None, sparse: SparseKV | None = None,
@@ -156,8 +165,8 @@ class ModelRunner:
                     writes["device"][0].append(torch.arange(row, row + m))
                     writes["device"][1].append(start + torch.arange(m))
                 row += m
-        ctx.writes = [KVWrite(pool, torch.cat(r).to(self.device), torch.cat(s).to(self.device))
-                      for pool, (r, s) in writes.items()]
+        ctx.writes = [KVWrite(pool, write_rows(torch.cat(r), self.device),
+                              torch.cat(s).to(self.device)) for pool, (r, s) in writes.items()]
         if self.dense_layers:
             ctx.dense = dense_context(batch, ctx.seqs, self._view, self._token_slots,
                                       self.device)
