@@ -134,8 +134,11 @@ def rerank_layers(scores: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, c:
     rows = j * layer_stride + h * head_stride + chosen * id_stride
     qg = q.to(dev).reshape(L, R, hkv, -1, q.shape[-1])  # [layers, R, Hkv, G, d]
     block_scale = scale.to(dev, torch.float32)[:, None, None, None].expand(values.shape)
-    if key_scales is not None:
-        block_scale = key_scales[j, chosen, h] * block_scale
+    if key_scales is not None:  # [layers, ids, Hkv]: laid out as the codes' blocks, a take
+        # (4x faster than indexing by three tensors at 7K x 6: 0.75 -> 0.18 ms)
+        same = key_scales.stride() == (layer_stride, id_stride, head_stride)
+        block_scale = (torch.take(key_scales, rows) if same else key_scales[j, chosen, h]) \
+            * block_scale
     args = (pool, rows, block_scale.contiguous(), qg.float().contiguous(),
             (values > float("-inf")).to(dev))
     if key_scales is None:

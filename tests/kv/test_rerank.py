@@ -90,8 +90,8 @@ def test_candidates_past_the_blocks_score_every_real_block(bits, path, c, monkey
     want, codes, kscales = reference(host_kv, ids, q, scores, scales, bits, c=N)
     keys = host_kv[:, 0].unflatten(2, (-1, B))  # [L, Hkv, ids, B, d]
     with torch.inference_mode():
-        if bits:
-            got = rerank_layers(flat, q, scales, c, ids, codes, kscales)
+        if bits:  # the scales laid out as the engine's (a take; a transposed view indexes)
+            got = rerank_layers(flat, q, scales, c, ids, codes, kscales.contiguous())
         else:
             got = rerank_layers(flat, q, scales, c, ids, keys.transpose(1, 2))
     assert torch.equal(got == float("-inf"), want == float("-inf"))
