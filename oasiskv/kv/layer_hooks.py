@@ -117,12 +117,16 @@ class SparseLayerHooks:
         # with fewer rows repeat their first at weight 0, so the batch is one gather
         key = ("rows", *map(id, decodes))
         if key not in self._batches:
-            m = max(map(len, rows))
-            self._batches[key] = tuple(upload(t, q.device) for t in (
-                torch.tensor([r + r[:1] * (m - len(r)) for r in rows]),
-                draft_weights([d.seq.draft_weights for d in decodes], m, list(map(len, rows)))))
+            m, first = max(map(len, rows)), rows[0][0]
+            if m == 1 and [r[0] for r in rows] == list(range(first, first + len(rows))):
+                self._batches[key] = (slice(first, first + len(rows)), None)  # a view of q
+            else:
+                self._batches[key] = tuple(upload(t, q.device) for t in (
+                    torch.tensor([r + r[:1] * (m - len(r)) for r in rows]),
+                    draft_weights([d.seq.draft_weights for d in decodes], m,
+                                  list(map(len, rows)))))
         index, w = self._batches[key]
-        queries = mixed_queries(q[index], w)  # [R, H, d]
+        queries = q[index] if w is None else mixed_queries(q[index], w)  # [R, H, d]
         for d in decodes:
             d.seq.working_set.primed[layer] = True
         self._deferred.append((layer, decodes, queries))
