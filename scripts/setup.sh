@@ -36,7 +36,8 @@ fi
 # no run or test pays for it. One that cannot be built warns at run time and its caller takes
 # the PyTorch path: attention layers/gqa.py (OASISKV_ATTENTION), the rerank its compiled pass
 # (OASISKV_RERANK), the bf16 linears oneDNN (OASISKV_LINEAR; also on CPUs without AVX-512 BF16),
-# the sparse step's row copy PyTorch's indexing, its selection PyTorch's ops (OASISKV_SELECT)
+# the sparse step's row copy PyTorch's indexing, its selection PyTorch's ops (OASISKV_SELECT),
+# the int8 key copy's quantizer the compiled pass
 build_kernel() {  # module what [the environment variable that chooses it]
   env ${3:+"$3=kernel"} python -W error::RuntimeWarning -c "from $1 import extension; extension()" \
     || echo "note: $2 did not build (see above)" >&2
@@ -46,6 +47,7 @@ build_kernel oasiskv.kv.block_mass "the rerank's block-mass kernel" OASISKV_RERA
 build_kernel oasiskv.layers.gemv "the bf16 linear kernel" OASISKV_LINEAR
 build_kernel oasiskv.kv.row_copy "the row-copy kernel"
 build_kernel oasiskv.kv.select_kernel "the selection kernel" OASISKV_SELECT
+build_kernel oasiskv.kv.summaries "the key-copy kernel"
 # llama.cpp, the CPU peer of `bench throughput --peer llamacpp`: pip compiles it (about 4-6
 # minutes on 2 cores; only the library, not its tools), without AMX, and again whenever the
 # installed build is not the one the script records (an older build may crash on AMX CPUs)

@@ -17,7 +17,7 @@ import torch
 from oasiskv.config import CacheConfig, ModelConfig, parse_bytes
 from oasiskv.engine.runner import ModelRunner, allocate_kv, pins_host_kv
 from oasiskv.engine.stats import device_tensors
-from oasiskv.kv import row_copy, select_kernel
+from oasiskv.kv import row_copy, select_kernel, summaries
 from oasiskv.kv.blocks import BlockPool, KVAllocator
 from oasiskv.kv.dense_layers import allocate_dense_kv, check_dense_layers, sparse_layers
 from oasiskv.kv.device_budget import (
@@ -171,9 +171,11 @@ def warm_up(sparse: SparseKV, cache: CacheConfig, mc: ModelConfig) -> None:
         warm_up_rerank(keys, mc.num_heads)
     if cache.key_copy:
         warm_up_key_copy(sparse.host_view, cache.block_size, cache.key_copy_bits)
-    if sparse.device_kv.device.type == "cpu":  # the selection and the local stage's copy:
-        select_kernel.extension()  # built here, not in a step
+    if sparse.device_kv.device.type == "cpu":  # the selection, the local stage's copy and
+        select_kernel.extension()  # the key copy's quantizer: built here, not in a step
         row_copy.extension()
+        if cache.key_copy:
+            summaries.extension()
     log.info("compiled the block scoring in %.1f s", time.perf_counter() - t0)
 
 

@@ -8,7 +8,7 @@ import torch
 
 from oasiskv.config import CacheConfig
 from oasiskv.kv.blocks import is_contiguous
-from oasiskv.kv.summaries import quantize_keys, round_outward, summarize, summary_rows
+from oasiskv.kv.summaries import quantize_into, round_outward, summarize, summary_rows
 from oasiskv.kv.transfers import upload
 from oasiskv.sequence import Sequence
 
@@ -63,5 +63,5 @@ class PromptStore:
             self.kmin[layers, rows], self.kmax[layers, rows] = kmin, kmax
         if self.key_codes is not None:  # the key copy, with the summary
             # [layers, n, Hkv, d, B (int4: B/2)], [layers, n, Hkv]
-            codes, scales = quantize_keys(keys, self.cfg.key_copy_bits)
-            self.key_codes[layers, ids], self.key_scales[layers, ids] = codes, scales
+            quantize_into(keys, self.key_codes, self.key_scales, ids, layers,
+                          self.cfg.key_copy_bits)
