@@ -86,7 +86,7 @@ def quantize_into(keys: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                   ids: torch.Tensor, layers: slice, bits: int) -> None:
     """quantize_keys(keys, bits) written into codes[layers, ids], scales[layers, ids]. On the
     CPU, 8 bits, by the kernel, read where the keys lie and written in place: the same codes,
-    ~10x faster than the compiled pass and its copy into the rows (a batch of 7K prompts'
+    ~3x faster than the compiled pass and its copy into the rows (a batch of 7K prompts'
     admission step was mostly that pass); else quantize_keys."""
     d = keys.shape[-1]
     if (bits == 8 and keys.device.type == codes.device.type == "cpu"
