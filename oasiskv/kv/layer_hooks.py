@@ -91,8 +91,7 @@ class SparseLayerHooks:
                 d.attn.kv_valid = mask  # [Hkv, (K+1)*B]
             self._batches["masks"] = masks
         masks = self._batches["masks"]
-        if (ext := select_kernel.serves(masks)) is not None and all(
-                m.is_contiguous() for m in maps):
+        if (ext := select_kernel.serves(masks, *maps)) is not None:
             ext.resident_masks(maps, layer, masks, B)
             return
         resident = torch.stack([m[layer] for m in maps]) >= 0  # [R, K, Hkv]

@@ -118,15 +118,14 @@ class SelectJob:
             return
         kv, K, R = self.kv, self.kv.cfg.top_k, len(self.picks)
         wss = self.working_sets
-        ext = select_kernel.serves(self.predicted)
-        if ext is not None and all(ws.head_map.is_contiguous() and ws.last_used.is_contiguous()
-                                   for ws in wss):  # in place
-            sel = BatchSelection(*ext.select_lru(
-                [ws.head_map for ws in wss], [ws.last_used for ws in wss], self.layers[0],
-                self.predicted, self.caps, self.step, self.ids.shape[1], self.max_cap))
+        maps, used = [ws.head_map for ws in wss], [ws.last_used for ws in wss]
+        if (ext := select_kernel.serves(self.predicted, *maps, *used)) is not None:  # in place
+            sel = BatchSelection(*ext.select_lru(maps, used, self.layers[0], self.predicted,
+                                                 self.caps, self.step, self.ids.shape[1],
+                                                 self.max_cap))
         else:  # (layer, request) pairs are the batch: [layers, R, K, Hkv], flattened as views
-            head_map = torch.stack([ws.head_map[self.run] for ws in wss], 1)
-            last_used = torch.stack([ws.last_used[self.run] for ws in wss], 1)
+            head_map = torch.stack([m[self.run] for m in maps], 1)
+            last_used = torch.stack([u[self.run] for u in used], 1)
             sel = select_capped_lru_batch(head_map.flatten(0, 1), last_used.flatten(0, 1),
                                           self.predicted.flatten(0, 1), self.caps.flatten(),
                                           self.step, self.ids.shape[1], self.max_cap)

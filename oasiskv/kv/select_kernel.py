@@ -27,6 +27,9 @@ def extension() -> ModuleType | None:
     return decode_kernel.load(SOURCE, "the selection kernel", "selecting with PyTorch ops")
 
 
-def serves(t: torch.Tensor) -> ModuleType | None:
-    """The kernel where it selects for tensors on t's device (the CPU), else None."""
-    return extension() if t.device.type == "cpu" else None
+def serves(t: torch.Tensor, *in_place: torch.Tensor) -> ModuleType | None:
+    """The kernel where it selects for tensors on t's device (the CPU) and the tensors it
+    writes in place (working sets, masks) are contiguous, else None."""
+    if t.device.type != "cpu" or not all(x.is_contiguous() for x in in_place):
+        return None
+    return extension()
