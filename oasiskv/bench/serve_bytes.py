@@ -74,13 +74,16 @@ class ByteSampler:
         self._thread = threading.Thread(target=self._run, daemon=True, name="byte-sampler")
         self.available = True  # the server has the counters
 
-    def _sample(self) -> dict | None:
+    def _sample(self, first: bool = False) -> dict | None:
         try:
             r = self._client.get(self.url + "/metrics")
             r.raise_for_status()
             return decode_totals(r.text)
         except (httpx.HTTPError, ValueError) as e:
-            log.warning("sampling %s/metrics failed: %s", self.url, e)
+            # the first probe failing means a server without our counters (llama-server):
+            # nothing went wrong, the bytes are just not measured
+            log.log(logging.INFO if first else logging.WARNING, "sampling %s/metrics failed: %s",
+                    self.url, e)
             return None
 
     def _take(self) -> None:
@@ -97,7 +100,7 @@ class ByteSampler:
 
     def __enter__(self) -> ByteSampler:
         self.t0 = time.perf_counter()
-        first = self._sample()
+        first = self._sample(first=True)
         if first is None:
             self.available = False
         else:
