@@ -116,6 +116,7 @@ KV_MODES = ("dense", "sparse")
 PREDICTORS = ("lookahead", "previous", "exact", "oracle")
 RERANK_SOURCES = ("host", "int8", "int4")
 SCORE_AGGREGATIONS = ("sum", "softmax-sum", "softmax-max")
+HANDOFF_SUMMARIES = ("exact", "int8")
 PREFETCH = ("async", "sync")
 _REMOTE = re.compile(r"mooncake://[^\s:/]+:[0-9]{1,5}|inprocess://[A-Za-z0-9_.-]+")
 
@@ -163,6 +164,9 @@ def check_cache(c: Any) -> None:
     if c.summary_dtype != "auto" and c.summary_dtype not in DTYPES:
         raise ValueError(f"summary_dtype {c.summary_dtype!r} is not auto or one of "
                          f"{sorted(set(DTYPES))}")
+    if c.handoff_summaries not in HANDOFF_SUMMARIES:
+        raise ValueError(f"handoff_summaries must be one of {HANDOFF_SUMMARIES}, "
+                         f"got {c.handoff_summaries!r}")
     if c.score_alpha < 0:
         raise ValueError(f"score_alpha must be >= 0, got {c.score_alpha}")
     if c.score_aggregation not in SCORE_AGGREGATIONS:

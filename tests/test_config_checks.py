@@ -42,6 +42,7 @@ from oasiskv.config_checks import DTYPES, KV_MODES, PREDICTORS, check_cache
     ({"remote_lend": "-1"}, r"remote_lend"),
     ({"f_host": 0.0}, r"f_host must be in \(0, 1\], got 0.0"),
     ({"f_host": 0.5}, r"f_host=0.5 < 1 needs a remote store"),
+    ({"handoff_summaries": "int4"}, r"handoff_summaries must be one of \('exact', 'int8'\)"),
 ])
 def test_each_broken_rule_names_its_field(changes, message):
     c = CacheConfig(kv_mode="sparse")

@@ -431,6 +431,26 @@ def _f_host(ctx: Ctx) -> None:
     assert half.tokens == full.tokens
 
 
+@row("handoff_summaries")
+def _handoff_summaries(ctx: Ctx) -> None:
+    """int8: a PD hand-over carries int8 summary codes with a float32 scale per row and KV
+    head, (d + 2) / (2 d) of bf16 summaries' bytes, and the request still runs to its end."""
+    from oasiskv.disagg.pd import DisaggregatedLLM
+
+    sent = {}
+    for fmt in ("exact", "int8"):
+        pd = DisaggregatedLLM(ctx.path, transfer="slab", kv_mode="sparse", top_k=2, rerank=0,
+                              summary_dtype="bfloat16", handoff_summaries=fmt)
+        out = pd.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]
+        assert out.finish_reason == "length"
+        sent[fmt] = next(iter(pd.handoffs.values()))
+        pd.close()
+    exact, int8 = sent["exact"], sent["int8"]
+    assert (exact.kmin.dtype, int8.kmin.dtype) == (torch.bfloat16, torch.int8)
+    d, n = exact.kmin.shape[-1], exact.kmin.numel()
+    assert exact.metadata_bytes - int8.metadata_bytes == 2 * n * 2 - (2 * n + 4 * n // d)
+
+
 @row("prefix_cache_bytes")
 def _prefix_cache_bytes(ctx: Ctx) -> None:
     """A prompt run again after its request ended reads its complete blocks (but the last

@@ -27,6 +27,7 @@ from oasiskv.bench.common import (
     summary_label,
     unique_prompts,
 )
+from oasiskv.bench.sparse_options import parse_sparse
 from oasiskv.config import EngineConfig
 from oasiskv.disagg.pd import DisaggregatedLLM
 from oasiskv.engine.engine import LLMEngine
@@ -134,6 +135,11 @@ def run_pd_bench(args: argparse.Namespace) -> list[dict]:
               "device": args.device}
     if args.num_threads:
         kwargs["num_threads"] = args.num_threads
+    if args.sparse:
+        opts = parse_sparse(args.sparse)
+        if "f_host" in opts:
+            raise ValueError("--sparse: f_host is set per setting by --f-host")
+        kwargs |= opts
     for f in f_hosts:  # bad settings fail now, not after the prefill
         EngineConfig.from_kwargs(**kwargs, remote_store="inprocess", f_host=f)
     prefill = LLMEngine(EngineConfig.from_kwargs(model=args.model, dtype=args.dtype,
@@ -174,8 +180,9 @@ def run_pd_bench(args: argparse.Namespace) -> list[dict]:
                 settings.append({k: v for k, v in run.items() if k != "rows"})
     elapsed = time.perf_counter() - t_start
     store = args.remote_store or "inprocess (one node)"
-    print(f"\n## prefill-decode disaggregation, {args.model}: K={args.top_k}, f_hbm "
-          f"{args.f_hbm}, summaries {summary_label(args.summary_dtype, args.dtype)}, "
+    print(f"\n## prefill-decode disaggregation, {args.model}: K={kwargs['top_k']}, f_hbm "
+          f"{kwargs['f_hbm']}, summaries {summary_label(args.summary_dtype, args.dtype)}, "
+          f"{f'--sparse {args.sparse}, ' if args.sparse else ''}"
           f"{args.requests} requests at once, "
           f"{args.output_len} greedy tokens each; store {store}; "
           f"{torch.get_num_threads()} threads, {platform_name()}\n")
@@ -191,13 +198,15 @@ def run_pd_bench(args: argparse.Namespace) -> list[dict]:
           f"{', '.join(f'{k}: {v:.0f} s' for k, v in prefill_s.items())}), so TTFT is the "
           f"prefill worker's last token, its extra step and the queue. agreement = greedy "
           f"tokens equal to full f_host=1. {elapsed:.0f} s.")
-    write_json(args.json, {"bench": "pd", "model": args.model, "top_k": args.top_k,
+    write_json(args.json, {"bench": "pd", "model": args.model, "top_k": kwargs["top_k"],
+                           "sparse": args.sparse,
                            "summary_dtype": args.summary_dtype, "requests": args.requests,
                            "output_len": args.output_len,
                            "store": store, "prefill_s": prefill_s, "rows": rows,
                            "settings": settings, "elapsed_s": elapsed})
     if args.plot:
-        plot(settings, args.plot, f"{args.model}: store reads per decode step, K={args.top_k}")
+        plot(settings, args.plot,
+             f"{args.model}: store reads per decode step, K={kwargs['top_k']}")
     return settings
 
 
@@ -227,6 +236,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--summary-dtype", default="auto",
                    help="block summaries: auto (bfloat16 for float32 K/V, else the KV dtype), "
                    "float32, float16 or bfloat16 (half the bytes a hand-over sends for them)")
+    p.add_argument("--sparse", default=None, metavar="KEY=VAL,...",
+                   help="more CacheConfig fields for both workers (rerank=0,"
+                   "handoff_summaries=int8); top_k and f_hbm as their flags unless given here")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", help="write the figures to this file")
     p.add_argument("--plot", help="write the store-read bandwidth timeline (PNG)")

@@ -59,7 +59,7 @@ def _tensors(h: Handoff) -> dict[str, torch.Tensor]:
            "kept": torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long),
            "kept_lens": torch.tensor([len(k) for k in kept], dtype=torch.int64)}
     optional = {"generator_state": h.generator_state, "key_codes": h.key_codes,
-                "key_scales": h.key_scales}
+                "key_scales": h.key_scales, "summary_scales": h.summary_scales}
     return out | {k: t for k, t in optional.items() if t is not None}
 
 
@@ -139,6 +139,7 @@ def fetch(store: RemoteStore, desc: dict) -> Handoff:
         generator_state=tensor("generator_state") if "generator_state" in manifest else None,
         key_codes=tensor("key_codes") if "key_codes" in manifest else None,
         key_scales=tensor("key_scales") if "key_scales" in manifest else None,
+        summary_scales=tensor("summary_scales") if "summary_scales" in manifest else None,
         metrics=metrics_from_json(desc["metrics"]), block_size=desc["block_size"],
         summary_splits=desc["summary_splits"])
 

@@ -27,7 +27,12 @@ import torch
 
 from oasiskv.kv.residency import SparseKV
 from oasiskv.kv.select import stamp
-from oasiskv.kv.summaries import round_outward, summary_rows
+from oasiskv.kv.summaries import (
+    dequantize_bounds,
+    quantize_bounds,
+    round_outward,
+    summary_rows,
+)
 from oasiskv.kv.working_set import WorkingSet
 from oasiskv.sequence import RequestMetrics, Sequence
 
@@ -47,7 +52,8 @@ class Handoff:
     slab_namespace: str | None  # slab: where the K slot blocks of each layer wait
     kmin: torch.Tensor  # [L, n_full * S, Hkv, d] summaries of every complete logical block
     kmax: torch.Tensor  # (S = summary_splits rows per block, `summaries.summary_rows`); no
-    # rows where the prefill worker's selection reads none (rerank=inf, oracle)
+    # rows where the prefill worker's selection reads none (rerank=inf, oracle); int8 codes
+    # where summary_scales is set (handoff_summaries=int8, `summaries.quantize_bounds`)
     tail: torch.Tensor  # [L, 2, Hkv, T, d] K/V of tokens P*B .. num_computed (not in store)
     head_map: torch.Tensor  # [L, K, Hkv] working set: logical block per (slot, head)
     ages: torch.Tensor  # [L, K, Hkv] select.stamp of each slot minus the step's stamp (<= 0)
@@ -63,6 +69,7 @@ class Handoff:
     # codes [L, n_full, Hkv, d, B (int4: B/2)], scales [L, n_full, Hkv]; None without one
     key_codes: torch.Tensor | None = None
     key_scales: torch.Tensor | None = None
+    summary_scales: torch.Tensor | None = None  # [L, n_full * S, Hkv] float32 with int8 kmin/kmax
 
     @property
     def num_prompt_blocks(self) -> int:
@@ -88,7 +95,8 @@ class Handoff:
         request itself."""
         return sum(t.numel() * t.element_size()
                    for t in (self.kmin, self.kmax, self.tail, self.head_map, self.ages,
-                             self.key_codes, self.key_scales) if t is not None)
+                             self.key_codes, self.key_scales, self.summary_scales)
+                   if t is not None)
 
     @property
     def admission_bytes(self) -> int:
@@ -130,6 +138,9 @@ def take_handoff(kv: SparseKV, seq: Sequence, transfer: str) -> Handoff:
         draft_weights=seq.draft_weights,
         generator_state=None if seq.generator is None else seq.generator.get_state(),
         metrics=seq.metrics, block_size=B, summary_splits=kv.cfg.summary_splits)
+    if kv.cfg.handoff_summaries == "int8":
+        handoff.kmin, handoff.kmax, handoff.summary_scales = quantize_bounds(handoff.kmin,
+                                                                             handoff.kmax)
     if kv.key_codes is not None:
         handoff.key_codes = kv.key_codes[:, ids].cpu()
         handoff.key_scales = kv.key_scales[:, ids].cpu()
@@ -149,7 +160,10 @@ def receive_handoff(kv: SparseKV, seq: Sequence, handoff: Handoff) -> int:
     ids = torch.tensor(seq.summary_ids[:n_full], dtype=torch.long)
     rows = summary_rows(ids, h.summary_splits)  # the same splits (engine.add_handoff)
     if kv.cfg.bounds:  # the same kind of selection (engine.add_handoff)
-        kmin, kmax = round_outward(h.kmin, h.kmax, kv.kmin.dtype)  # exact when dtypes match
+        kmin, kmax = h.kmin, h.kmax
+        if h.summary_scales is not None:  # int8 codes: float32 bounds, outward
+            kmin, kmax = dequantize_bounds(kmin, kmax, h.summary_scales)
+        kmin, kmax = round_outward(kmin, kmax, kv.kmin.dtype)  # exact when dtypes match
         kv.kmin[:, rows], kv.kmax[:, rows] = kmin.to(kv.kmin.device), kmax.to(kv.kmax.device)
     if kv.key_codes is not None:  # the same kind of copy (engine.add_handoff)
         kv.key_codes[:, ids] = h.key_codes.to(kv.key_codes.device)

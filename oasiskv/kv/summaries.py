@@ -42,6 +42,29 @@ def round_outward(kmin: torch.Tensor, kmax: torch.Tensor,
     return lo, hi
 
 
+def quantize_bounds(kmin: torch.Tensor, kmax: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kmin, kmax [..., d] -> int8 codes lo, hi [..., d] and float32 scales [...] (one per
+    summary row and KV head) such that dequantize_bounds(lo, hi, scales) bounds them outward:
+    lo*s <= kmin and hi*s >= kmax elementwise, in float32 arithmetic (a hand-over's
+    handoff_summaries=int8). The scale leaves one code of headroom for that correction."""
+    lo32, hi32 = kmin.float(), kmax.float()
+    top = torch.maximum(lo32.abs(), hi32.abs()).amax(dim=-1)  # [...]
+    scales = (top / 126).clamp_min(torch.finfo(torch.float32).tiny)  # all-zero rows: codes 0
+    s = scales[..., None]
+    lo, hi = torch.floor(lo32 / s), torch.ceil(hi32 / s)
+    lo = torch.where(lo * s > lo32, lo - 1, lo)  # the division rounded the wrong way
+    hi = torch.where(hi * s < hi32, hi + 1, hi)
+    return lo.to(torch.int8), hi.to(torch.int8), scales
+
+
+def dequantize_bounds(lo: torch.Tensor, hi: torch.Tensor, scales: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_bounds' codes -> float32 kmin, kmax (round_outward takes them to a dtype)."""
+    s = scales[..., None]
+    return lo.float() * s, hi.float() * s
+
+
 def quantize_keys(keys: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """The rerank's low-bit key copy: keys [..., Hkv, n, B, d] -> codes [..., n, Hkv, d, B]
     (int8; with bits=4, uint8 [..., d, B/2]: two 4-bit codes a byte) and scales

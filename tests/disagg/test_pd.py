@@ -18,6 +18,7 @@ from test_host_cache import GREEDY, SPARSE, Recording, check_host_caches, prompt
 from oasiskv import LLM, SamplingParams
 from oasiskv.disagg.pd import DisaggregatedLLM
 from oasiskv.kv.handoff import TRANSFERS
+from oasiskv.kv.summaries import dequantize_bounds
 from oasiskv.store.remote_store import BlockKey
 
 B = 16
@@ -63,6 +64,33 @@ def test_half_summaries_halve_their_share_of_the_hand_over(tiny_llama):
         metadata[dtype] = h.kmin.numel() * h.kmin.element_size(), h.kmin.dtype
         pd.close()
     assert metadata["float16"] == (metadata["float32"][0] // 2, torch.float16)
+
+
+def test_int8_summaries_cross_as_outward_bounds_in_about_half_the_bytes(tiny_llama):
+    """handoff_summaries=int8: the decode worker's summaries bound the prefill worker's (within
+    two codes), the hand-over's summary bytes are (d + 2) / (2 d) of bf16's, and the requests
+    run to the end (selections may differ from one engine's: the bounds are looser)."""
+    prompts = prompts_of([230, 180], seed=4)
+    got, sent = {}, {}
+    for fmt in ("exact", "int8"):
+        pd = DisaggregatedLLM(str(tiny_llama), transfer="slab", handoff_summaries=fmt,
+                              summary_dtype="bfloat16", **BOUNDS)
+        got[fmt] = pd.generate(prompts, GREEDY, use_tqdm=False)
+        sent[fmt] = {rid.rsplit("-", 1)[1]: h for rid, h in pd.handoffs.items()}  # by index
+        pd.close()
+    assert all(o.finish_reason == "length" for o in got["int8"])
+    assert sent["exact"].keys() == sent["int8"].keys()
+    for rid, exact in sent["exact"].items():
+        h = sent["int8"][rid]
+        assert h.kmin.dtype == torch.int8 and h.summary_scales is not None
+        lo, hi = dequantize_bounds(h.kmin, h.kmax, h.summary_scales)
+        s = h.summary_scales[..., None]
+        assert (lo <= exact.kmin.float()).all() and (hi >= exact.kmax.float()).all()
+        assert (exact.kmin.float() - lo <= 2 * s).all() and (hi - exact.kmax.float() <= 2 * s).all()
+        d = exact.kmin.shape[-1]
+        saved = (exact.metadata_bytes - h.metadata_bytes) / (2 * exact.kmin.numel() * 2)
+        assert saved == pytest.approx(1 - (d + 2) / (2 * d))
+        assert exact.admission_bytes - h.admission_bytes == exact.metadata_bytes - h.metadata_bytes
 
 
 def test_split_summaries_travel_with_the_hand_over(tiny_llama):

@@ -65,6 +65,25 @@ def _meta_keys(desc):
     return [BlockKey(desc["meta"]["namespace"], 0, i) for i in range(desc["meta"]["blocks"])]
 
 
+def test_int8_summaries_cross_with_their_scales(tiny_llama):
+    store_name = f"inprocess://wire-{uuid.uuid4().hex[:6]}"
+    config = EngineConfig.from_kwargs(model=str(tiny_llama), remote_store=store_name,
+                                      **{**SPARSE, "rerank": 0, "handoff_summaries": "int8"})
+    prefill = LocalPrefill(config)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert prefill.submit(PrefillRequest("r0", prompts_of([200])[0], params, "slab")) is None
+    outs = []
+    while not outs:
+        outs = prefill.poll()
+    sent, store = outs[0].handoff, prefill.engine.sparse.remote.store
+    h = wire.fetch(store, json.loads(json.dumps(wire.publish(store, sent))))
+    assert sent.kmin.dtype == torch.int8 and sent.summary_scales.dtype == torch.float32
+    for name in ("kmin", "kmax", "summary_scales"):
+        assert torch.equal(getattr(h, name), getattr(sent, name)), name
+    store.remove(sent.namespace), store.remove(sent.slab_namespace)
+    prefill.close()
+
+
 def test_outputs_and_metrics_cross_as_ages(tiny_llama):
     llm = LLM(str(tiny_llama), **SPARSE)
     out = llm.generate(prompts_of([40]), GREEDY, use_tqdm=False)[0]

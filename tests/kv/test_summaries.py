@@ -7,7 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oasiskv.kv.select import block_scores
-from oasiskv.kv.summaries import round_outward, summarize
+from oasiskv.kv.summaries import (
+    dequantize_bounds,
+    quantize_bounds,
+    round_outward,
+    summarize,
+)
 
 
 @settings(max_examples=50, deadline=None)
@@ -29,6 +34,29 @@ def test_rounded_summaries_bound_every_key_within_one_step(seed, scale, dtype):
     exact = torch.einsum("hd,gnbd->hgnb", q, keys).amax(-1)  # [H, Hkv, n]
     for g in range(2):
         assert (scores[g] >= exact[2 * g:2 * g + 2, g].sum(0) - 1e-4).all()
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([1e-30, 1e-3, 1.0, 300.0]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_int8_summaries_bound_every_key_within_two_codes(seed, scale, dtype):
+    """handoff_summaries=int8: codes and one scale per (row, KV head) that still bound the
+    block's keys, at most two codes (of that row's scale) outside them."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(3, 6, 16, 64, generator=g) * scale
+    keys[:, 1, :, 5] *= 40  # an outlier channel, as real keys have
+    keys[:, 2] = 0  # an all-zero block
+    kmin, kmax = (t.to(dtype) for t in summarize(keys))  # [6, 3, 64]
+    lo, hi, scales = quantize_bounds(kmin, kmax)
+    assert lo.dtype == hi.dtype == torch.int8 and scales.shape == (6, 3)
+    qlo, qhi = dequantize_bounds(lo, hi, scales)
+    assert (qlo <= kmin.float()).all() and (qhi >= kmax.float()).all()
+    assert (kmin.float() - qlo <= 2 * scales[..., None]).all()
+    assert (qhi - kmax.float() <= 2 * scales[..., None]).all()
+    assert torch.equal(qlo[2], torch.zeros_like(qlo[2])) and torch.equal(qhi[2], qlo[2])
+    # into a summary dtype, outward again: still bounds
+    blo, bhi = round_outward(qlo, qhi, torch.bfloat16)
+    assert (blo.float() <= kmin.float()).all() and (bhi.float() >= kmax.float()).all()
 
 
 def test_same_dtype_is_exact():
