@@ -205,9 +205,9 @@ class CacheConfig:
         "exact", "sparse, on a prefill worker: how a hand-over sends the block summaries. "
         "exact: as this engine keeps them (summary_dtype); int8: 8-bit codes with one float32 "
         "scale per block and KV head, kmin rounded down and kmax up so that they still bound "
-        "every key (Quest's score stays an upper bound, a looser one): about half the bytes, "
-        "which is most of a slab hand-over at 7K tokens; the decode worker's selections may "
-        "then differ from one engine's")
+        "every key (Quest's score stays an upper bound, a looser one): about half the "
+        "summaries' bytes (at 7K tokens and top_k=32 they are most of a slab hand-over); the "
+        "decode worker's selections may then differ from one engine's")
     summary_dtype: str = _field(
         "auto", "sparse: dtype of the block summaries (kmin/kmax). auto: bfloat16 for float32 "
         "K/V, else the KV dtype; float16 or bfloat16 halve their device memory, the bytes a "

@@ -44,3 +44,29 @@ def test_pd_bench_partial_vs_full(tmp_path, capsys):
 def test_pd_bench_refuses_an_unknown_transfer(capsys):
     assert main(["bench", "pd", "--model", "x", "--transfer", "partial,some"]) == 2
     assert "--transfer takes partial, slab, full; got some" in capsys.readouterr().err
+
+
+def test_pd_bench_sparse_options_reach_both_workers(tmp_path, capsys):
+    """--sparse rerank=0 makes the hand-over carry summaries; handoff_summaries=int8 then
+    makes it smaller by (d + 2) / (2 d) of their bf16 bytes."""
+    model = build_model_dir(tmp_path / "m", num_hidden_layers=2, max_position_embeddings=1024)
+    admission = {}
+    for fmt in ("exact", "int8"):
+        out = tmp_path / f"{fmt}.json"
+        assert main(["bench", "pd", "--model", str(model), "--context", "400", "--requests",
+                     "2", "--transfer", "slab", "--f-host", "1.0", "--top-k", "2",
+                     "--output-len", "4", "--summary-dtype", "bfloat16",
+                     "--sparse", f"rerank=0,handoff_summaries={fmt}",
+                     "--json", str(out)]) == 0
+        data = json.loads(out.read_text())
+        assert data["sparse"] == f"rerank=0,handoff_summaries={fmt}"
+        admission[fmt] = data["settings"][0]["admission_mb"] * 2**20
+    assert "--sparse rerank=0,handoff_summaries=int8" in capsys.readouterr().out
+    d, heads, layers = 16, 2, 2  # the tiny model's head_dim, KV heads and layers
+    rows = layers * heads * (400 // 16)  # one summary row per complete block
+    assert admission["exact"] - admission["int8"] == rows * (2 * d * 2 - (2 * d + 4))
+
+
+def test_pd_bench_refuses_f_host_in_sparse(capsys):
+    assert main(["bench", "pd", "--model", "x", "--sparse", "f_host=1.0"]) == 2
+    assert "f_host is set per setting by --f-host" in capsys.readouterr().err

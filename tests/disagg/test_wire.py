@@ -66,6 +66,7 @@ def _meta_keys(desc):
 
 
 def test_int8_summaries_cross_with_their_scales(tiny_llama):
+    """handoff_summaries=int8: the codes and their scales come back from the store bit for bit."""
     store_name = f"inprocess://wire-{uuid.uuid4().hex[:6]}"
     config = EngineConfig.from_kwargs(model=str(tiny_llama), remote_store=store_name,
                                       **{**SPARSE, "rerank": 0, "handoff_summaries": "int8"})
@@ -80,7 +81,8 @@ def test_int8_summaries_cross_with_their_scales(tiny_llama):
     assert sent.kmin.dtype == torch.int8 and sent.summary_scales.dtype == torch.float32
     for name in ("kmin", "kmax", "summary_scales"):
         assert torch.equal(getattr(h, name), getattr(sent, name)), name
-    store.remove(sent.namespace), store.remove(sent.slab_namespace)
+    store.remove(sent.namespace)
+    store.remove(sent.slab_namespace)
     prefill.close()
 
 
