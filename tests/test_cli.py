@@ -62,6 +62,7 @@ TYPED = [
     ("score_aggregation", "softmax-max", "softmax-max"),
     ("summary_splits", "2", 2),
     ("summary_dtype", "float16", "float16"),
+    ("handoff_summaries", "int8", "int8"),
     ("prefault_kv", "true", True),
     ("sink_blocks", "2", 2),
     ("recent_blocks", "1", 1),
